@@ -1,0 +1,707 @@
+"""M-GRPO in one file: a main agent (planner) and a sub-agent (searcher), two LLMs with
+two optimizers, trained with group-relative policy optimisation computed per agent.
+
+Paper: "Multi-Agent Deep Research: Training Multi-Agent Systems with M-GRPO",
+arXiv 2511.13288. The "spec" cited below (`# spec 4`, `# eq. 13`) is M-GRPO-SPEC.md,
+which restates the paper's algorithm; tutorial.md walks through both.
+
+What the algorithm really is, per training step:
+  1. Rollout. For each of Q questions, K rollouts. In rollout k the main agent M thinks,
+     delegates sub-tasks to the sub-agent S (d_k times, d_k varies) and answers; each
+     delegation runs S's own multi-turn search loop, whose result is pasted into M's
+     context. Every token carries a loss mask: 1 if the policy sampled it, 0 if it was
+     inserted (prompt, search results, S's returned text in M's context).
+  2. Rewards: R_M per rollout (eq. 4), R_S per sub-trajectory (eq. 5).
+  3. A_M = z-score of R_M over the K rollouts of a question (eq. 9-10).
+  4. Alignment: duplicate or drop each rollout's sub-trajectories to exactly D (eq. 11).
+  5. A_S = z-score of R_S over the D*K aligned sub-trajectories of a question (eq. 12-13).
+  6. Each agent takes its own clipped policy-gradient step (eq. 14-19): token-level
+     ratio, asymmetric clip, no KL, no entropy bonus. With one epoch per batch (the
+     default) the ratio is 1 and this is REINFORCE with a per-agent group baseline.
+  7. M's side passes S's side only a few statistics per rollout (spec 7); no gradient
+     and no tensor crosses between the agents.
+
+The default run needs no download: two tiny Qwen2-style models with a word-level
+tokenizer, built in code. Random models never hit the answer format by RL alone, so a
+short supervised cold start on noisy scripted demos stands in for the paper's stage 1
+(format learning) before M-GRPO starts. `--main-model` / `--sub-model` take a Hugging
+Face name or path instead.
+
+    python mgrpo.py              # CPU demo: cold start, then M-GRPO on the toy task
+    python mgrpo.py --help
+"""
+import ast
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+import toy_tools
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    """seeds everything: model init, questions, sampling, alignment"""
+    steps: int = 200
+    """M-GRPO steps (each updates both agents once per epoch)"""
+    questions_per_step: int = 8
+    """questions (queries) per step"""
+    group_size: int = 8
+    """K: rollouts per question, the group of the main agent's advantage (eq. 9-10)"""
+    max_sub: int = 2
+    """D: aligned sub-trajectories per rollout (eq. 11); the paper picks P(d_k <= D) ~ 0.99"""
+    level: int = 1
+    """toy task level: 1 = 2-hop, 3 clean snippets; 2 = 3-hop, 5 snippets (stage 2)"""
+    main_model: str = ""
+    """main agent: a Hugging Face name or path; empty builds a tiny model in code"""
+    sub_model: str = ""
+    """sub-agent: a Hugging Face name or path; empty builds a tiny model in code"""
+    model_size: str = "0.1M"
+    """size of the models built in code: 0.1M, 1M or 4M parameters"""
+    device: str = "cpu"
+    """torch device for both agents, e.g. cpu, cuda, cuda:1"""
+    search: str = "toy"
+    """search tool: 'toy' (in-process) or the URL of a toy search server (python toy_tools.py serve)"""
+    out: str = ""
+    """output folder; empty: runs/<time>-seed<seed>"""
+    sft_steps: int = 1200
+    """cold-start steps on noisy scripted demos (stands in for stage 1); 0 skips it"""
+    sft_batch: int = 64
+    """demos per cold-start step, per agent"""
+    sft_lr: float = 3e-3
+    """cold-start learning rate"""
+    demo_noise: float = 0.1
+    """probability that a demo replaces an entity by a random one (about half the demos end wrong)"""
+    lr: float = 3e-4
+    """M-GRPO learning rate, both agents (paper: 1e-6 for 30B models)"""
+    weight_decay: float = 0.1
+    """AdamW weight decay, betas (0.9, 0.98) as in the paper"""
+    ppo_epochs: int = 1
+    """passes over each batch; with 1 the ratio is 1 and the clip never acts"""
+    micro_batch: int = 0
+    """sequences per forward/backward; the loss is still normalised over the whole batch; 0 = all"""
+    eps_low: float = 0.2
+    """clip range below 1 (eq. 14-19)"""
+    eps_high: float = 0.28
+    """clip range above 1 ("clip-higher", as the authors ran it)"""
+    loss_agg: str = "seq-mean"
+    """'seq-mean': mean over each sequence's tokens, then over sequences (authors); 'token-mean'"""
+    grad_clip: float = 1.0
+    """max gradient norm per agent"""
+    main_max_turns: int = 4
+    """main agent turns per rollout (delegations + the answer)"""
+    sub_max_turns: int = 3
+    """sub-agent turns per sub-task (searches + the return)"""
+    max_new_tokens: int = 8
+    """tokens per turn; a turn that does not end by then is invalid (raise it for real models)"""
+    w_main_format: float = 0.1
+    """eq. 4: R_M = w * r_format + (1 - w) * r_correct when the format is valid, else 0"""
+    w_sub: tuple = (0.1, 0.4, 0.5)
+    """eq. 5: weights of r_format, r_correct_main, r_expert in R_S"""
+    eval_questions: int = 256
+    """held-out questions per evaluation (fixed seed, same for every run)"""
+    eval_every: int = 50
+    """evaluate every N steps as well as before and after RL; 0 = before and after only"""
+
+
+def parse_args(argv=None):
+    """argparse from the Args dataclass; each field's docstring is its --help text."""
+    tree = ast.parse(inspect.getsource(Args))
+    body = tree.body[0].body
+    docs = {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Args):
+        kw = dict(default=f.default, help=docs[f.name])
+        if f.type is tuple:
+            kw.update(type=float, nargs=len(f.default))
+        else:
+            kw["type"] = type(f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+    a = Args(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()})
+    errors = [msg for bad, msg in [
+        (a.group_size < 2, "--group-size must be >= 2 (a group of one has no baseline)"),
+        (a.max_sub < 1, "--max-sub must be >= 1"),
+        (a.level not in (1, 2), "--level must be 1 or 2"),
+        (a.loss_agg not in ("seq-mean", "token-mean"), "--loss-agg must be seq-mean or token-mean"),
+        (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
+        (min(a.steps, a.sft_steps, a.micro_batch) < 0, "--steps, --sft-steps, --micro-batch must be >= 0"),
+        (min(a.questions_per_step, a.ppo_epochs, a.eval_questions) < 1,
+         "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
+        (a.main_max_turns < 2 or a.sub_max_turns < 2, "--main-max-turns and --sub-max-turns must be >= 2"),
+    ] if bad]
+    if errors:
+        p.error("; ".join(errors))
+    return a
+
+
+def stable_seed(*parts):
+    """A seed from (seed, step, role, turn, ...): the same in every process and on every run."""
+    return toy_tools._stable_seed(*parts)
+
+
+# =======================================================================================
+# Spec 1. The system: two distinct LLMs, each with its own tokenizer and optimizer
+# =======================================================================================
+SIZES = {  # Qwen2-style models built in code; parameter counts include tied embeddings
+    "0.1M": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                 intermediate_size=192),
+    "1M": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=512),
+    "4M": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+               intermediate_size=1024),
+}
+
+
+@dataclass
+class Agent:
+    model: torch.nn.Module
+    tok: object
+    opt: torch.optim.Optimizer = None
+    stop_ids: tuple = ()   # token ids that end a turn
+    suppress: tuple = ()   # never sampled: pad and unk look like padding in generate's output
+
+
+def tiny_model(tok, size, seed):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=False,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                      **SIZES[size])
+    return Qwen2ForCausalLM(cfg)
+
+
+def load_agent(name, args, seed):
+    """A real model by Hugging Face name or path, or (name empty) a tiny one built in code."""
+    if name:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    else:
+        tok = toy_tools.toy_tokenizer()
+        model = tiny_model(tok, args.model_size, seed)
+    model.to(args.device).eval()  # eval: no dropout, so sampling and training log-probs agree
+    eos = model.generation_config.eos_token_id
+    stop = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+    suppress = {tok.pad_token_id, tok.unk_token_id} - stop - {None}
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
+                            weight_decay=args.weight_decay)
+    return Agent(model, tok, opt, tuple(sorted(stop)), tuple(sorted(suppress)))
+
+
+def render(tok, role, content):
+    """Token ids of one message plus the assistant prompt, appended to a growing context.
+
+    Contexts grow by appending ids, never by re-tokenising the conversation, so the ids
+    trained on are exactly the ids sampled.
+    """
+    text = tok.apply_chat_template([{"role": role, "content": content}],
+                                   add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+# =======================================================================================
+# Spec 1. Rollout: M's turns with nested S tool loops, batched in lockstep
+# =======================================================================================
+@dataclass
+class Traj:
+    """One agent's trajectory: the exact token ids, which of them the policy sampled
+    (mask 1), and the sampling log-prob of each sampled token (0 elsewhere)."""
+    ids: list
+    mask: list
+    logp: list
+    q: int = 0               # question index in the step
+    k: int = 0               # rollout index within the question
+    task: str = ""           # sub-agent: the sub-task it was given
+    result: str = None       # main: the answer; sub: the returned text
+    ok: bool = False         # format valid (r_format)
+    calls: list = field(default_factory=list)  # main: indices of its sub-trajectories
+
+    def add(self, ids, logp=None):
+        self.ids += ids
+        self.mask += [0 if logp is None else 1] * len(ids)
+        self.logp += [0.0] * len(ids) if logp is None else logp
+
+
+def new_traj(tok, content, **kw):
+    ids = render(tok, "user", content)
+    return Traj(ids, [0] * len(ids), [0.0] * len(ids), **kw)
+
+
+@torch.no_grad()
+def generate(agent, contexts, max_new_tokens, seed, greedy=False):
+    """One batched `generate` call: per context, (new ids, their log-probs, ended?).
+
+    Left padding with an explicit attention mask. Log-probs come from the raw logits
+    (`output_logits`), i.e. the temperature-1 policy that training recomputes.
+    """
+    pad = agent.tok.pad_token_id if agent.tok.pad_token_id is not None else agent.stop_ids[0]
+    L = max(map(len, contexts))
+    ids = torch.full((len(contexts), L), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, c in enumerate(contexts):
+        ids[b, L - len(c):] = torch.tensor(c)
+        attn[b, L - len(c):] = 1
+    dev = agent.model.device
+    torch.manual_seed(seed)  # each call reseeds: sampling does not depend on what ran before
+    # A fresh config, not the model's: a hub model's own top_k / top_p / repetition penalty
+    # would sample from another distribution than the policy that training scores.
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=list(agent.stop_ids),
+                           suppress_tokens=list(agent.suppress) or None, output_logits=True,
+                           return_dict_in_generate=True,
+                           **(dict(do_sample=False) if greedy else dict(do_sample=True, top_k=0, top_p=1.0)))
+    out = agent.model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=cfg)
+    new = out.sequences[:, L:]
+    logp = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0]
+    res = []
+    for row, lp in zip(new.tolist(), logp.tolist()):
+        # The length comes from the first stop token, never from a pad mask: pad may equal eos.
+        n = next((i + 1 for i, t in enumerate(row) if t in agent.stop_ids), len(row))
+        res.append((row[:n], lp[:n], row[n - 1] in agent.stop_ids))
+    return res
+
+
+def turn_action(agent, new, ended, tags):
+    """Parse one turn's output: (tag, argument), or None for invalid format."""
+    if not ended:  # overlong: never closed its turn
+        return None
+    return toy_tools.parse_action(agent.tok.decode(new[:-1], skip_special_tokens=False), tags)
+
+
+def run_sub_agents(sub, tasks, questions, args, search, seed, greedy=False):
+    """S's multi-turn tool loop for a batch of sub-tasks, in lockstep: one generate per turn."""
+    trajs = [new_traj(sub.tok, t, task=t) for t in tasks]
+    active = list(range(len(tasks)))
+    for turn in range(args.sub_max_turns):
+        if not active:
+            break
+        outs = generate(sub, [trajs[j].ids for j in active], args.max_new_tokens,
+                        stable_seed(seed, "sub", turn), greedy)
+        still = []
+        for j, (new, lp, ended) in zip(active, outs):
+            t = trajs[j]
+            t.add(new, lp)
+            act = turn_action(sub, new, ended, toy_tools.SUB_TAGS)
+            if act is None or (act[0] == "search" and turn == args.sub_max_turns - 1):
+                continue  # invalid format, or out of turns: t.ok stays False
+            if act[0] == "return":
+                t.result, t.ok = act[1], True
+                continue
+            q = questions[j]
+            obs = toy_tools.search_observation(search.search(act[1], q.seed, q.level))
+            t.add(render(sub.tok, "tool", obs))  # tool output: mask 0
+            still.append(j)
+        active = still
+    return trajs
+
+
+def rollout(main, sub, questions, K, args, search, seed, greedy=False):
+    """K rollouts per question of the whole system; returns (main trajs, sub trajs).
+
+    At every main turn, one generate call for all active main rollouts, then S's loops
+    for all delegations of that turn together (spec 1, issue: batch in lockstep).
+    """
+    mains = [new_traj(main.tok, q.text, q=qi, k=k) for qi, q in enumerate(questions) for k in range(K)]
+    subs = []
+    active = list(range(len(mains)))
+    for turn in range(args.main_max_turns):
+        if not active:
+            break
+        outs = generate(main, [mains[j].ids for j in active], args.max_new_tokens,
+                        stable_seed(seed, "main", turn), greedy)
+        calls = []
+        for j, (new, lp, ended) in zip(active, outs):
+            m = mains[j]
+            m.add(new, lp)
+            act = turn_action(main, new, ended, toy_tools.MAIN_TAGS)
+            if act is None or (act[0] == "call" and turn == args.main_max_turns - 1):
+                continue  # invalid format, or no turn left to answer: m.ok stays False
+            if act[0] == "answer":
+                m.result, m.ok = act[1], True
+            else:
+                calls.append((j, act[1]))
+        if calls:
+            st = run_sub_agents(sub, [c[1] for c in calls], [questions[mains[j].q] for j, _ in calls],
+                                args, search, stable_seed(seed, "turn", turn), greedy)
+            for (j, _), s in zip(calls, st):
+                s.q, s.k = mains[j].q, mains[j].k
+                mains[j].calls.append(len(subs))
+                subs.append(s)
+                # S's returned text enters M's context as a tool message: mask 0
+                mains[j].add(render(main.tok, "tool", s.result if s.ok else "none"))
+        active = [j for j, _ in calls]
+    return mains, subs
+
+
+# =======================================================================================
+# Spec 2. Rewards (eq. 4-5)
+# =======================================================================================
+def main_reward(format_ok, correct, w_format=0.1):
+    """eq. 4: R_M = 0.1 r_format + 0.9 r_correct if M's format is valid, else 0."""
+    return w_format + (1 - w_format) * float(correct) if format_ok else 0.0
+
+
+def sub_reward(format_ok, main_correct, expert, w=(0.1, 0.4, 0.5)):
+    """eq. 5: R_S = 0.1 r_format + 0.4 r_correct_main + 0.5 r_expert if S's format is valid, else 0."""
+    return w[0] + w[1] * float(main_correct) + w[2] * float(expert) if format_ok else 0.0
+
+
+# =======================================================================================
+# Spec 3 and 5. Group-relative advantages (eq. 9-10 for M, eq. 12-13 for S)
+# =======================================================================================
+def group_advantages(rewards, eps=1e-6):
+    """z-score over the last dimension with the population std (eq. 10, eq. 13).
+
+    One function serves both agents; the hierarchy lies in which rewards form a group:
+    M's K rollouts of a query, or S's D*K aligned sub-trajectories of that query.
+    A group whose rewards are all equal gets advantage 0 (no signal, no NaN).
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    mu = r.mean(-1, keepdim=True)                       # eq. 9 / eq. 12
+    sigma = r.std(-1, unbiased=False, keepdim=True)     # population std
+    adv = (r - mu) / (sigma + eps)                      # eq. 10 / eq. 13
+    return torch.where(sigma > eps, adv, torch.zeros_like(adv))
+
+
+# =======================================================================================
+# Spec 4. Trajectory alignment (eq. 11): exactly D sub-trajectories per rollout
+# =======================================================================================
+def align_sub_trajectories(counts, D, rng):
+    """counts[k] = d_k, the sub-trajectories of rollout k of one query. Returns D*K pairs
+    (k', i): slot j belongs to rollout j // D and holds sub-trajectory i of rollout k'.
+
+    d_k >= D: D distinct ones of its own, chosen uniformly (drop d_k - D).
+    0 < d_k < D: all its own, plus D - d_k duplicates chosen uniformly from its own.
+    d_k = 0 [choice, spec 4]: D drawn uniformly (with replacement) from the siblings'.
+    No rollout of the query delegated: [] (nothing for S to learn from this query).
+    """
+    pool = [(k, i) for k, d in enumerate(counts) for i in range(d)]
+    if not pool:
+        return []
+    out = []
+    for k, d in enumerate(counts):
+        if d >= D:
+            out += [(k, i) for i in sorted(rng.sample(range(d), D))]
+        elif d > 0:
+            out += [(k, i) for i in range(d)] + [(k, rng.randrange(d)) for _ in range(D - d)]
+        else:
+            out += [rng.choice(pool) for _ in range(D)]
+    return out
+
+
+# =======================================================================================
+# Spec 6. The objectives (eq. 14-19): one clipped surrogate per agent
+# =======================================================================================
+def token_logprobs(model, ids, attn):
+    """logp[b, t] = log p(ids[b, t] | ids[b, :t]); logp[:, 0] = 0. Any padding side.
+
+    Position ids come from the attention mask, so a left-padded row is scored as if it
+    were unpadded; logits at t-1 predict the token at t (the shift).
+    """
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    lp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+
+
+def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, agg="seq-mean"):
+    """Negated clipped surrogate, eq. 14-19, for one agent. Returns (loss, stats).
+
+    logp, old_logp, mask: [B, T]; advantages: [B], one per sequence, broadcast to its tokens.
+    Token-level ratio exp(logp - old_logp) with the clip range [1 - eps_low, 1 + eps_high],
+    as the authors ran it (the paper writes a sequence-level ratio). Only mask-1 tokens count.
+    agg="seq-mean": mean over each sequence's tokens, then over the B sequences (a row
+    without tokens counts as 0); "token-mean": mean over all tokens of the batch.
+    """
+    m = mask.to(logp.dtype)
+    log_ratio = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
+    ratio = log_ratio.exp()
+    a = advantages.to(logp.dtype)[:, None]
+    surr = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+    per_tok = -surr * m
+    if agg == "seq-mean":
+        loss = (per_tok.sum(1) / m.sum(1).clamp(min=1)).mean()
+    elif agg == "token-mean":
+        loss = per_tok.sum() / m.sum().clamp(min=1)
+    else:
+        raise ValueError(f"agg must be 'seq-mean' or 'token-mean', got {agg!r}")
+    with torch.no_grad():
+        n = m.sum().clamp(min=1)
+        clipped = ((ratio > 1 + eps_high) & (a > 0)) | ((ratio < 1 - eps_low) & (a < 0))
+        stats = {"clip_frac": float((clipped * m).sum() / n),
+                 "approx_kl": float((((ratio - 1) - log_ratio) * m).sum() / n),  # k3 estimator
+                 "tokens": float(m.sum())}
+    return loss, stats
+
+
+def collate(trajs, pad_id, device):
+    """Right-padded tensors; the attention mask comes from lengths, never from token ids."""
+    B, T = len(trajs), max(len(t.ids) for t in trajs)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn, mask, old = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros(B, T)
+    for b, t in enumerate(trajs):
+        n = len(t.ids)
+        ids[b, :n], attn[b, :n] = torch.tensor(t.ids), 1
+        mask[b, :n], old[b, :n] = torch.tensor(t.mask), torch.tensor(t.logp)
+    return ids.to(device), attn.to(device), mask.to(device), old.to(device)
+
+
+def update_agent(agent, trajs, adv, args):
+    """One agent's policy step(s) on its own batch; returns stats with the time split.
+
+    Micro-batches weight their loss so that the sum equals the whole batch's loss
+    (normalised over the whole batch, not per micro-batch).
+    """
+    model, dev = agent.model, agent.model.device
+    pad = agent.tok.pad_token_id if agent.tok.pad_token_id is not None else agent.stop_ids[0]
+    ids, attn, mask, old = collate(trajs, pad, dev)
+    adv = adv.to(dev)
+    B, mb = len(trajs), args.micro_batch or len(trajs)
+    n_tok = mask.sum().clamp(min=1)
+    acc = {"clip_frac": 0.0, "approx_kl": 0.0, "t_fwd": 0.0, "t_bwd": 0.0}
+    for _ in range(args.ppo_epochs):
+        agent.opt.zero_grad(set_to_none=True)
+        for s in range(0, B, mb):
+            t0 = time.perf_counter()
+            sl = slice(s, s + mb)
+            logp = token_logprobs(model, ids[sl], attn[sl])
+            loss, st = policy_loss(logp, old[sl], adv[sl], mask[sl], args.eps_low, args.eps_high, args.loss_agg)
+            w = (min(mb, B - s) / B) if args.loss_agg == "seq-mean" else mask[sl].sum() / n_tok
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss {loss.item()} in the policy update; stopping")
+            t1 = time.perf_counter()
+            (loss * w).backward()
+            acc["t_fwd"] += t1 - t0
+            acc["t_bwd"] += time.perf_counter() - t1
+            for key in ("clip_frac", "approx_kl"):
+                acc[key] += st[key] * st["tokens"] / float(n_tok) / args.ppo_epochs
+        t1 = time.perf_counter()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if not torch.isfinite(gn):
+            raise FloatingPointError(f"non-finite gradient norm {gn.item()}; stopping")
+        agent.opt.step()
+        acc["t_bwd"] += time.perf_counter() - t1
+    acc["grad_norm"] = float(gn)
+    acc["tokens"] = float(n_tok) * args.ppo_epochs
+    return acc
+
+
+# =======================================================================================
+# Spec 7. One M-GRPO step. M's side and S's side share only `exchange` (a list of dicts),
+# so they can later run in two processes around a file-based store.
+# =======================================================================================
+def main_side(mains, questions, K, args):
+    """M: rewards (eq. 4), advantages over the K rollouts of each query (eq. 9-10), and
+    the statistics S needs: per rollout its ids, M's correctness, its sub-trajectories."""
+    correct = [m.ok and toy_tools.answer_correct(questions[m.q], m.result) for m in mains]
+    r_main = torch.tensor([main_reward(m.ok, c, args.w_main_format) for m, c in zip(mains, correct)])
+    adv = group_advantages(r_main.view(-1, K)).view(-1)
+    exchange = [{"query": m.q, "rollout": m.k, "correct": bool(c), "subs": list(m.calls)}
+                for m, c in zip(mains, correct)]
+    zero_var = float((r_main.view(-1, K).std(-1, unbiased=False) <= 1e-6).float().mean())
+    return r_main, adv, exchange, {"success": float(np.mean(correct)), "zero_var_main": zero_var}
+
+
+def sub_side(subs, exchange, questions, K, args, rng):
+    """S: rewards (eq. 5), alignment to D per rollout (eq. 11), advantages over the D*K
+    aligned sub-trajectories of each query (eq. 12-13). Returns (batch, R_S, A_S, stats)."""
+    D = args.max_sub
+    batch, rewards, adv = [], [], []
+    n_dup = n_drop = n_zero = n_groups = 0
+    for q in range(len(questions)):
+        rows = [e for e in exchange if e["query"] == q]
+        counts = [len(e["subs"]) for e in rows]
+        pairs = align_sub_trajectories(counts, D, rng)
+        n_drop += sum(max(0, d - D) for d in counts)
+        n_dup += len(pairs) - sum(min(d, D) for d in counts)
+        if not pairs:
+            continue
+        group = [subs[rows[k]["subs"][i]] for k, i in pairs]
+        r = [sub_reward(s.ok, rows[k]["correct"], toy_tools.expert_score(questions[q], s.task, s.result),
+                        args.w_sub) for s, (k, _) in zip(group, pairs)]
+        batch += group
+        rewards += r
+        adv.append(group_advantages(r))
+        n_groups += 1
+        n_zero += int(np.std(r) <= 1e-6)
+    stats = {"n_dup": n_dup, "n_drop": n_drop, "zero_var_sub": n_zero / max(1, n_groups)}
+    return batch, torch.tensor(rewards), (torch.cat(adv) if adv else torch.zeros(0)), stats
+
+
+def train_step(main, sub, step, args, search):
+    """Rollout, then each agent's side; returns the step's metrics."""
+    t0 = time.perf_counter()
+    rng = random.Random(stable_seed(args.seed, "questions", step))
+    questions = [toy_tools.make_question(rng.randrange(2 ** 31), args.level)
+                 for _ in range(args.questions_per_step)]
+    K = args.group_size
+    mains, subs = rollout(main, sub, questions, K, args, search, stable_seed(args.seed, "rollout", step))
+    t_gen = time.perf_counter() - t0
+
+    r_main, adv_main, exchange, m_stats = main_side(mains, questions, K, args)
+    up_m = update_agent(main, mains, adv_main, args)
+
+    align_rng = random.Random(stable_seed(args.seed, "align", step))
+    batch, r_sub, adv_sub, s_stats = sub_side(subs, exchange, questions, K, args, align_rng)
+    up_s = update_agent(sub, batch, adv_sub, args) if batch else None
+
+    dt = time.perf_counter() - t0
+    gen_tokens = sum(sum(t.mask) for t in mains + subs)
+    d = [len(m.calls) for m in mains]
+    rec = {"step": step, "main_reward": float(r_main.mean()),
+           "sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **m_stats, **s_stats,
+           "d_k": d, "sub_calls": len(subs),
+           "clip_frac_main": up_m["clip_frac"], "approx_kl_main": up_m["approx_kl"],
+           "grad_norm_main": up_m["grad_norm"], "t_gen": t_gen,
+           "t_fwd": up_m["t_fwd"] + (up_s["t_fwd"] if up_s else 0),
+           "t_bwd": up_m["t_bwd"] + (up_s["t_bwd"] if up_s else 0), "t_step": dt,
+           "gen_tokens_per_s": gen_tokens / t_gen,
+           "train_tokens_per_s": (up_m["tokens"] + (up_s["tokens"] if up_s else 0)) / (dt - t_gen)}
+    if up_s:
+        rec.update(clip_frac_sub=up_s["clip_frac"], approx_kl_sub=up_s["approx_kl"], grad_norm_sub=up_s["grad_norm"])
+    return rec
+
+
+# =======================================================================================
+# Cold start: supervised warm-up on noisy scripted demos (stands in for stage 1)
+# =======================================================================================
+def encode_demo(tok, msgs):
+    """A demo conversation as a Traj, built exactly as rollouts build contexts."""
+    t = new_traj(tok, msgs[0]["content"])
+    for msg in msgs[1:]:
+        if msg["role"] == "assistant":
+            ids = tok(msg["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            t.add(ids, [0.0] * len(ids))  # log-probs unused: the mask alone picks trained tokens
+        else:
+            t.add(render(tok, msg["role"], msg["content"]))
+    return t
+
+
+def cold_start(agent, demo_fn, args, seed):
+    """Teacher-forced cross-entropy on mask-1 tokens of freshly generated demos."""
+    opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
+    rng = random.Random(seed)
+    pad = agent.tok.pad_token_id if agent.tok.pad_token_id is not None else agent.stop_ids[0]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / args.sft_steps)))
+    for _ in range(args.sft_steps):
+        demos = [demo_fn(toy_tools.make_question(rng.randrange(2 ** 31), args.level), rng, args.demo_noise)
+                 for _ in range(args.sft_batch)]
+        ids, attn, mask, _ = collate([encode_demo(agent.tok, d) for d in demos], pad, agent.model.device)
+        loss = -(token_logprobs(agent.model, ids, attn) * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
+        opt.step()
+        sched.step()
+    return loss.item()
+
+
+# =======================================================================================
+# Evaluation: sampled (temperature 1, as in training) and greedy success
+# =======================================================================================
+EVAL_SEED = 2 ** 40  # question seeds at or above this are never used for training
+
+
+def evaluate(main, sub, args, search, greedy=False, chunk=256):
+    questions = [toy_tools.make_question(EVAL_SEED + i, args.level) for i in range(args.eval_questions)]
+    ok = []
+    for s in range(0, len(questions), chunk):
+        qs = questions[s:s + chunk]
+        mains, _ = rollout(main, sub, qs, 1, args, search, stable_seed("eval", s), greedy)
+        ok += [m.ok and toy_tools.answer_correct(q, m.result) for m, q in zip(mains, qs)]
+    return float(np.mean(ok))
+
+
+def paper_D(d_values, p=0.99):
+    """The paper's rule: the smallest D with P(d_k <= D) >= p."""
+    d = np.sort(np.asarray(d_values))
+    return int(d[int(np.ceil(p * len(d))) - 1]) if len(d) else 0
+
+
+def save_checkpoint(out, main, sub, step, args):
+    """Both agents (save_pretrained), their optimizers, the step and the RNG states."""
+    for name, a in (("main", main), ("sub", sub)):
+        a.model.save_pretrained(os.path.join(out, name))
+        a.tok.save_pretrained(os.path.join(out, name))
+    torch.save({"step": step, "args": dataclasses.asdict(args),
+                "opt_main": main.opt.state_dict(), "opt_sub": sub.opt.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                        "torch": torch.get_rng_state()}}, os.path.join(out, "trainer_state.pt"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    transformers.utils.logging.disable_progress_bar()
+    t_start = time.time()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-seed{args.seed}")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "args.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=1)
+    search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(args.search)
+    main_agent = load_agent(args.main_model, args, seed=args.seed)
+    sub_agent = load_agent(args.sub_model, args, seed=args.seed + 1)
+    n_params = sum(p.numel() for p in main_agent.model.parameters())
+    print(f"M-GRPO | main {args.main_model or 'tiny ' + args.model_size} ({n_params / 1e6:.2f}M params), "
+          f"sub {args.sub_model or 'tiny ' + args.model_size} | K={args.group_size} D={args.max_sub} "
+          f"level={args.level} device={args.device} | out: {out}", flush=True)
+
+    if args.sft_steps:
+        t0 = time.time()
+        lm = cold_start(main_agent, toy_tools.main_demo, args, stable_seed(args.seed, "sft-main"))
+        ls = cold_start(sub_agent, toy_tools.sub_demo, args, stable_seed(args.seed, "sft-sub"))
+        print(f"cold start: {args.sft_steps} steps on noisy demos, final loss main {lm:.3f} sub {ls:.3f} "
+              f"({time.time() - t0:.0f}s)", flush=True)
+    summary = {"eval_success_start": evaluate(main_agent, sub_agent, args, search),
+               "eval_greedy_success_start": evaluate(main_agent, sub_agent, args, search, greedy=True)}
+    print(f"eval before RL: sampled success {summary['eval_success_start']:.3f}, "
+          f"greedy {summary['eval_greedy_success_start']:.3f}", flush=True)
+
+    all_d, step = [], 0
+    metrics = open(os.path.join(out, "metrics.jsonl"), "w")
+    try:
+        for step in range(1, args.steps + 1):
+            rec = train_step(main_agent, sub_agent, step, args, search)
+            all_d += rec["d_k"]
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                rec["eval_success"] = evaluate(main_agent, sub_agent, args, search)
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+            print(f"step {step:4d}/{args.steps} | R_M {rec['main_reward']:.3f} R_S {rec['sub_reward']:.3f} "
+                  f"success {rec['success']:.3f} | zero-var M {rec['zero_var_main']:.2f} "
+                  f"S {rec['zero_var_sub']:.2f} | dup {rec['n_dup']} drop {rec['n_drop']} | "
+                  f"kl {rec['approx_kl_main']:.1e} gn {rec['grad_norm_main']:.2f} | {rec['t_step']:.2f}s"
+                  + (f" | eval {rec['eval_success']:.3f}" if "eval_success" in rec else ""), flush=True)
+    finally:  # a crash or Ctrl-C keeps every completed step and the weights
+        metrics.close()
+        save_checkpoint(out, main_agent, sub_agent, step, args)
+
+    summary["eval_success_end"] = evaluate(main_agent, sub_agent, args, search)
+    summary["eval_greedy_success_end"] = evaluate(main_agent, sub_agent, args, search, greedy=True)
+    hist = {int(d): int(n) for d, n in zip(*np.unique(all_d, return_counts=True))}
+    summary.update(steps=args.steps, wall_time_s=round(time.time() - t_start, 1), d_k_histogram=hist,
+                   D_in_use=args.max_sub, D_paper_rule=paper_D(all_d))
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"d_k over all rollouts: {hist}; the paper's rule P(d_k <= D) >= 0.99 picks "
+          f"D = {summary['D_paper_rule']} (in use: D = {args.max_sub})")
+    print(f"eval after RL: sampled success {summary['eval_success_end']:.3f} "
+          f"(before {summary['eval_success_start']:.3f}), greedy {summary['eval_greedy_success_end']:.3f} | "
+          f"{summary['wall_time_s']:.0f}s in all | {out}", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

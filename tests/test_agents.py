@@ -1,0 +1,141 @@
+"""Tokens, masks and log-probs of real (tiny) Hugging Face models; rollouts on bad output."""
+import copy
+import random
+
+import pytest
+import torch
+
+import mgrpo
+import toy_tools
+
+
+@pytest.fixture(scope="module")
+def args():
+    return mgrpo.parse_args(["--sft-steps", "0"])
+
+
+@pytest.fixture(scope="module")
+def agents(args):
+    return mgrpo.load_agent("", args, seed=0), mgrpo.load_agent("", args, seed=1)
+
+
+def test_incremental_context_equals_chat_template(agents):
+    main, _ = agents
+    q = toy_tools.make_question(3, 2)
+    msgs = toy_tools.main_demo(q, random.Random(0), 0.0)
+    t = mgrpo.encode_demo(main.tok, msgs)
+    whole = main.tok(main.tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False).input_ids
+    assert t.ids == whole
+    # loss mask: exactly the assistant turns (with their eos), nothing else
+    trained = main.tok.decode([i for i, m in zip(t.ids, t.mask) if m]).split()
+    assert trained == " ".join(m["content"] + " <eos>" for m in msgs if m["role"] == "assistant").split()
+
+
+def test_generation_logprobs_equal_recomputed_under_left_padding(agents):
+    main, _ = agents
+    ctx = [mgrpo.render(main.tok, "user", text) for text in
+           ["country of ada ?", "country of friend of bo ?", "city of cy", "country of friend of friend of dex ?"]]
+    outs = mgrpo.generate(main, ctx, 8, seed=0)
+    trajs = [mgrpo.Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(ctx, outs)]
+    assert len({len(t.ids) for t in trajs}) > 1  # rows of different lengths: padding matters
+    ids, attn, mask, old = mgrpo.collate(trajs, main.tok.pad_token_id, "cpu")  # right padded
+    with torch.no_grad():
+        lp = mgrpo.token_logprobs(main.model, ids, attn)
+    assert torch.allclose(lp[mask.bool()], old[mask.bool()], atol=1e-5)
+    # the same rows left padded give the same log-probs
+    L = ids.shape[1]
+    ids_l, attn_l = torch.full_like(ids, main.tok.pad_token_id), torch.zeros_like(attn)
+    for b, t in enumerate(trajs):
+        ids_l[b, L - len(t.ids):], attn_l[b, L - len(t.ids):] = torch.tensor(t.ids), 1
+    with torch.no_grad():
+        lp_l = mgrpo.token_logprobs(main.model, ids_l, attn_l)
+    for b, t in enumerate(trajs):
+        n = len(t.ids)
+        assert torch.allclose(lp_l[b, L - n:], lp[b, :n], atol=1e-5)
+
+
+def test_masks_come_from_lengths_when_pad_is_eos():
+    eos = 1
+    t = mgrpo.Traj([5, 6], [0, 0], [0.0, 0.0])
+    t.add([7, eos], [-0.5, -0.1])  # the policy's final eos must keep its loss mask
+    short = mgrpo.Traj([5], [0], [0.0])
+    ids, attn, mask, old = mgrpo.collate([t, short], pad_id=eos, device="cpu")
+    assert attn[0].tolist() == [1, 1, 1, 1] and mask[0].tolist() == [0, 0, 1, 1]
+    assert attn[1].tolist() == [1, 0, 0, 0] and ids[1, 1:].tolist() == [eos] * 3
+    assert old[0, 3].item() == pytest.approx(-0.1)
+
+
+def test_bad_output_gets_format_zero():
+    tags = toy_tools.MAIN_TAGS
+    for text in ["", "ada", "<call> city of ada", "<call> </call>", "<answer> x </call>",
+                 "<search> ada </search>", "<call> a </call> <answer> b </answer>", "</call> a <call>"]:
+        assert toy_tools.parse_action(text, tags) is None, text
+    assert toy_tools.parse_action("<call> city of ada </call>", tags) == ("call", "city of ada")
+    assert toy_tools.parse_action("<think> hm </think> <answer> midia </answer>", tags) == ("answer", "midia")
+    assert toy_tools.parse_action("<return> ok </return>", toy_tools.SUB_TAGS) == ("return", "ok")
+
+
+def test_untrained_models_run_a_whole_step(args, agents):
+    """Random models emit garbage, overlong turns and unknown tools: every rollout is
+    invalid (reward 0), and the step still runs and logs zero-variance groups."""
+    main, sub = (copy.deepcopy(a) for a in agents)
+    a = copy.deepcopy(args)
+    a.questions_per_step, a.group_size = 2, 4
+    rec = mgrpo.train_step(main, sub, 1, a, toy_tools.ToySearch())
+    assert rec["main_reward"] == 0.0 and rec["zero_var_main"] == 1.0
+    assert rec["success"] == 0.0
+
+
+def test_rollout_masks_tool_output_and_sub_results(args, agents):
+    """Scripted agents stand in for trained ones: every inserted token has mask 0."""
+    main, sub = agents
+    qs = [toy_tools.make_question(11, 1)]
+    mains, subs = mgrpo.rollout(main, sub, qs, 2, args, toy_tools.ToySearch(), seed=0)
+    for t in mains + subs:
+        assert len(t.ids) == len(t.mask) == len(t.logp)
+        assert all(lp == 0.0 for lp, m in zip(t.logp, t.mask) if not m)
+        assert all(lp < 0.0 for lp, m in zip(t.logp, t.mask) if m)
+        prompt = mgrpo.render(main.tok if t in mains else sub.tok, "user", qs[0].text if t in mains else t.task)
+        assert t.ids[:len(prompt)] == prompt and not any(t.mask[:len(prompt)])
+
+
+def _grads(agent, trajs, adv, args):
+    agent.opt = torch.optim.SGD(agent.model.parameters(), lr=0.0)  # keep weights, read .grad
+    mgrpo.update_agent(agent, trajs, adv, args)
+    return torch.cat([p.grad.flatten() for p in agent.model.parameters()])
+
+
+@pytest.mark.parametrize("agg", ["seq-mean", "token-mean"])
+def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
+    main, _ = agents
+    trajs = [mgrpo.encode_demo(main.tok, toy_tools.main_demo(toy_tools.make_question(s, 1 + s % 2), random.Random(s), 0.3))
+             for s in range(6)]
+    for t in trajs:
+        t.logp = [x - 2.0 * m for x, m in zip(t.logp, t.mask)]  # ratio != 1 somewhere
+    adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 2.0, -0.2])
+    a = copy.deepcopy(args)
+    a.loss_agg, a.grad_clip = agg, 1e9
+    a.micro_batch = 0
+    full = _grads(copy.deepcopy(main), trajs, adv, a)
+    a.micro_batch = 4
+    micro = _grads(copy.deepcopy(main), trajs, adv, a)
+    assert torch.allclose(full, micro, atol=1e-6)
+
+
+def test_non_finite_loss_fails_fast(args, agents):
+    main, _ = agents
+    trajs = [mgrpo.encode_demo(main.tok, toy_tools.sub_demo(toy_tools.make_question(1, 1), random.Random(1), 0.0))]
+    with pytest.raises(FloatingPointError):
+        mgrpo.update_agent(copy.deepcopy(main), trajs, torch.tensor([float("nan")]), args)
+
+
+def test_save_and_load_with_from_pretrained(tmp_path, args, agents):
+    main, _ = agents
+    main.model.save_pretrained(tmp_path)
+    main.tok.save_pretrained(tmp_path)
+    loaded = mgrpo.load_agent(str(tmp_path), args, seed=123)
+    ids = torch.tensor([mgrpo.render(main.tok, "user", "country of ada ?")])
+    assert mgrpo.render(loaded.tok, "user", "country of ada ?") == ids[0].tolist()
+    with torch.no_grad():
+        assert torch.allclose(main.model(ids).logits, loaded.model(ids).logits, atol=1e-6)
+    assert loaded.stop_ids == main.stop_ids and loaded.suppress == main.suppress

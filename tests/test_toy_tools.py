@@ -1,0 +1,83 @@
+"""The toy task: fresh worlds, the search tool in-process and over HTTP, reward checkers."""
+import random
+import threading
+
+import pytest
+
+import toy_tools as tt
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    srv = tt.make_server(0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_every_question_has_its_own_world():
+    qs = [tt.make_question(s, 1) for s in range(50)]
+    kbs = [tt.knowledge_base(s, 1) for s in range(50)]
+    assert len({tuple(sorted(kb.items())) for kb in kbs}) == 50
+    for q, kb in zip(qs, kbs):
+        x = q.text.split()[-2]
+        assert q.answer == kb[("country", kb[("city", x)])]
+    assert tt.make_question(7, 2) == tt.make_question(7, 2)
+    with pytest.raises(ValueError):
+        tt.make_question(1, 3)
+
+
+def test_search_returns_the_fact_among_distractors():
+    for level in (1, 2):
+        q = tt.make_question(5, level)
+        kb = tt.knowledge_base(5, level)
+        x = q.text.split()[-2]
+        res = tt.search_results(5, level, x)
+        assert len(res) == tt.N_SNIPPETS[level]
+        assert tt.fact_text("city", x, kb[("city", x)]) in [r["content"] for r in res]
+    # level 1 is clean: no distractor shares the relation of the hit
+    res = tt.search_results(5, 1, "ada")
+    assert sum(" lives " in r["content"] for r in res) == 1
+    assert tt.search_results(5, 1, "nobody")  # unknown entity: distractors only, no crash
+
+
+def test_in_process_and_http_agree(server_url):
+    local, http = tt.ToySearch(), tt.HttpSearch(server_url)
+    for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 1, "avon"), (4, 2, "city of ada"), (5, 1, "???")]:
+        assert local.search(query, seed, level) == http.search(query, seed, level)
+
+
+def test_http_bad_request_and_down_server(server_url):
+    import requests
+    r = requests.get(f"{server_url}/search", params={"q": "ada", "kb": "x"}, timeout=5)
+    assert r.status_code == 400 and "error" in r.json()
+    with pytest.raises(RuntimeError, match="answered 400"):
+        tt.HttpSearch(server_url).search("ada", 1, 7)
+    with pytest.raises(RuntimeError, match="not reachable"):
+        tt.HttpSearch("http://127.0.0.1:9", timeout=2).search("ada", 1, 1)
+
+
+def test_reward_checkers():
+    q = tt.make_question(9, 2)
+    kb = tt.knowledge_base(9, 2)
+    assert tt.answer_correct(q, q.answer) and not tt.answer_correct(q, "ada") and not tt.answer_correct(q, None)
+    assert tt.expert_score(q, "friend of ada", kb[("friend", "ada")]) == 1.0
+    assert tt.expert_score(q, "city of ada", "nowhere") == 0.0
+    assert tt.expert_score(q, "country of ada", "x") == 0.0  # ada is no city: asks for nothing
+    assert tt.expert_score(q, "banana", "x") == 0.0
+    assert tt.expert_score(q, "city of ada", None) == 0.0
+
+
+def test_noisy_demos_are_noisy_and_in_vocabulary():
+    tok = tt.toy_tokenizer()
+    rng = random.Random(0)
+    right = []
+    for s in range(400):
+        q = tt.make_question(s, 1 + s % 2)
+        msgs = tt.main_demo(q, rng, 0.1)
+        right.append(tt.answer_correct(q, tt.parse_action(msgs[-1]["content"], tt.MAIN_TAGS)[1]))
+        for m in msgs + tt.sub_demo(q, rng, 0.1):
+            assert tok.unk_token_id not in tok(m["content"]).input_ids
+    assert 0.55 < sum(right) / len(right) < 0.85  # about a third of the demos end wrong
+    assert all(tt.answer_correct(q, tt.main_demo(q, rng, 0.0)[-1]["content"].split()[1])
+               for q in [tt.make_question(s, 2) for s in range(20)])

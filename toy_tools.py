@@ -1,0 +1,300 @@
+"""The toy deep-research task, its search tool, reward checkers and cold-start demos.
+
+Every question comes with its own small knowledge base, generated from the
+question's seed, so nothing can be memorised: to answer "country of ada ?" the
+agents must look up where ada lives and then which country that city is in, and
+read the answers off what the search tool returns.
+
+    level 1 (stage 1, easy):  "country of X ?"            2 hops, 3 snippets per search
+    level 2 (stage 2, hard):  "country of friend of X ?"  3 hops, 5 snippets per search
+
+Facts read "ada lives avon", "avon in norland", "ada friend bo". A sub-task,
+written by the main agent, reads "city of ada", "country of avon" or
+"friend of ada"; the sub-agent searches and returns one entity.
+
+The search tool runs in-process (`ToySearch`) or as an HTTP server on
+127.0.0.1 (`python toy_tools.py serve --port 8765`, client `HttpSearch`).
+Protocol, shaped like SearXNG's JSON API:
+
+    GET /search?q=<query>&format=json&kb=<question seed>&level=<1|2>
+    -> 200 {"query": q, "results": [{"url": ..., "title": ..., "content": "ada lives avon"}, ...]}
+    -> 400 {"error": "..."} on a bad request
+
+Both paths return the same results for the same (kb, level, query).
+"""
+import argparse
+import json
+import random
+import re
+import zlib
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+PERSONS = ("ada bo cy dex eli fay gus hal ivo jun kai lu mo ned oz "
+           "pia quin ray sol tam uma vic wes xia yul zed abe bea cal dot").split()
+CITIES = "avon brill cork dover elm fenn glen hove ilk jura".split()
+COUNTRIES = "norland sudia westia eastia midia".split()
+# sub-task relation -> (word in the fact, type of the subject, type of the value)
+RELATIONS = {"city": ("lives", PERSONS, CITIES),
+             "country": ("in", CITIES, COUNTRIES),
+             "friend": ("friend", PERSONS, PERSONS)}
+N_SNIPPETS = {1: 3, 2: 5}
+
+# Every word the toy agents can read or write: the word-level vocabulary.
+SPECIAL = ["<pad>", "<eos>", "<unk>"]
+WORDS = (["<system>", "<user>", "<assistant>", "<tool>",
+          "<think>", "</think>", "<call>", "</call>", "<answer>", "</answer>",
+          "<search>", "</search>", "<return>", "</return>",
+          "country", "city", "friend", "of", "?", "lives", "in", ";", "none"]
+         + PERSONS + CITIES + COUNTRIES)
+# Renders each message on its own, so a context can be grown one message at a
+# time and equal the render of the whole conversation (see tests).
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}"
+                 "{% if m['role'] == 'assistant' %} <eos>{% endif %} {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def toy_tokenizer():
+    """A word-level Hugging Face tokenizer over the toy vocabulary, with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                unk_token="<unk>", padding_side="left")
+    t.chat_template = CHAT_TEMPLATE
+    return t
+
+
+# ---------------------------------------------------------------------------------------
+# The world of one question
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Question:
+    seed: int    # regenerates the knowledge base: the "kb" of the search protocol
+    level: int
+    text: str    # what the main agent reads
+    answer: str
+
+
+def knowledge_base(seed, level):
+    """Facts of one question: {(relation, subject): value}, from the seed alone."""
+    rng = random.Random(seed)
+    kb = {}
+    for p in PERSONS:
+        kb[("city", p)] = rng.choice(CITIES)
+    for c in CITIES:
+        kb[("country", c)] = rng.choice(COUNTRIES)
+    if level >= 2:
+        for p in PERSONS:
+            kb[("friend", p)] = rng.choice([q for q in PERSONS if q != p])
+    return kb
+
+
+def fact_text(rel, subject, value):
+    return f"{subject} {RELATIONS[rel][0]} {value}"
+
+
+def make_question(seed, level):
+    if level not in N_SNIPPETS:
+        raise ValueError(f"level must be 1 or 2, got {level!r}")
+    kb = knowledge_base(seed, level)
+    x = random.Random(seed + 1).choice(PERSONS)
+    if level == 1:
+        return Question(seed, level, f"country of {x} ?", kb[("country", kb[("city", x)])])
+    y = kb[("friend", x)]
+    return Question(seed, level, f"country of friend of {x} ?", kb[("country", kb[("city", y)])])
+
+
+def _stable_seed(*parts):
+    # Python's hash() of a str changes from process to process; crc32 does not, so the
+    # server and the in-process tool pick the same distractors.
+    return zlib.crc32("|".join(map(str, parts)).encode())
+
+
+def search_results(seed, level, query):
+    """The search engine: facts about the entities named in `query`, among distractors."""
+    kb = knowledge_base(seed, level)
+    words = set(query.split())
+    hits = [k for k in kb if k[1] in words][:N_SNIPPETS[level]]
+    need = N_SNIPPETS[level] - len(hits)
+    others = [k for k in kb if k[1] not in words]
+    if level == 1:
+        # "clean" results: distractors share no relation with a hit, so reading means finding
+        # the right relation; at level 2 it means matching the entity too.
+        clean = [k for k in others if k[0] not in {h[0] for h in hits}]
+        others = clean if len(clean) >= need else others
+    rng = random.Random(_stable_seed(seed, level, query))
+    keys = hits + rng.sample(others, need)
+    rng.shuffle(keys)
+    return [{"url": f"toy://kb/{seed}/{rel}/{subj}", "title": subj,
+             "content": fact_text(rel, subj, kb[(rel, subj)])} for rel, subj in keys]
+
+
+class ToySearch:
+    """In-process search tool."""
+
+    def search(self, query, seed, level):
+        return search_results(seed, level, query)
+
+
+class HttpSearch:
+    """Client of the toy search server (or any server speaking the protocol above)."""
+
+    def __init__(self, url, timeout=10.0):
+        self.url, self.timeout = url.rstrip("/"), timeout
+
+    def search(self, query, seed, level):
+        import requests
+        try:
+            r = requests.get(f"{self.url}/search", timeout=self.timeout,
+                             params={"q": query, "format": "json", "kb": seed, "level": level})
+        except requests.exceptions.RequestException as e:
+            raise RuntimeError(f"search server {self.url} is not reachable ({type(e).__name__}); "
+                               f"start one with: python toy_tools.py serve --port PORT") from e
+        if r.status_code != 200:
+            raise RuntimeError(f"search server {self.url} answered {r.status_code}: {r.text[:200]}")
+        return r.json()["results"]
+
+
+def search_observation(results):
+    """What the sub-agent reads back from one search: the snippets, ';'-separated."""
+    return " ; ".join(r["content"] for r in results) if results else "none"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        u = urlparse(self.path)
+        qs = parse_qs(u.query)
+        try:
+            if u.path != "/search":
+                raise ValueError(f"unknown path {u.path}")
+            query = qs.get("q", [""])[0]
+            seed, level = int(qs["kb"][0]), int(qs.get("level", ["1"])[0])
+            if level not in N_SNIPPETS:
+                raise ValueError("level must be 1 or 2")
+            code, body = 200, {"query": query, "results": search_results(seed, level, query)}
+        except (KeyError, ValueError) as e:
+            code, body = 400, {"error": f"bad request: {e}"}
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):  # keep the training log clean
+        pass
+
+
+def make_server(port=0):
+    """A toy search server on 127.0.0.1 (port 0: any free port); call .serve_forever()."""
+    return ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing model output and reward checkers (spec 2)
+# ---------------------------------------------------------------------------------------
+_ACTION = re.compile(r"^\s*(?:<think>.*?</think>)?\s*<(call|answer|search|return)>(.*?)</\1>\s*$", re.S)
+MAIN_TAGS, SUB_TAGS = ("call", "answer"), ("search", "return")
+
+
+def parse_action(text, allowed):
+    """(tag, argument) of one turn's output, or None when the format is invalid.
+
+    Valid: an optional <think>...</think>, then exactly one <tag> argument </tag> with a
+    non-empty argument and a tag this agent may use. Anything else (no tags, unclosed
+    tags, empty text, an unknown or foreign tool) is invalid.
+    """
+    m = _ACTION.match(text)
+    if not m or m.group(1) not in allowed or not m.group(2).strip():
+        return None
+    return m.group(1), " ".join(m.group(2).split())
+
+
+def parse_subtask(task):
+    """'city of ada' -> ('city', 'ada'); None if it asks for no known relation."""
+    w = task.split()
+    if len(w) == 3 and w[0] in RELATIONS and w[1] == "of":
+        return w[0], w[2]
+    return None
+
+
+def answer_correct(q, answer):
+    """r_correct of the main agent."""
+    return answer is not None and answer.strip() == q.answer
+
+
+def expert_score(q, task, result):
+    """r_expert [choice, spec 2]: did the sub-agent return the fact its sub-task asked for?"""
+    parsed = parse_subtask(task)
+    if parsed is None or result is None:
+        return 0.0
+    truth = knowledge_base(q.seed, q.level).get(parsed)
+    return float(truth is not None and result.strip() == truth)
+
+
+# ---------------------------------------------------------------------------------------
+# Scripted, deliberately noisy demonstrations for the cold start (stands in for stage 1)
+# ---------------------------------------------------------------------------------------
+def _noisy(rng, value, pool, p):
+    return rng.choice(pool) if rng.random() < p else value
+
+
+def main_demo(q, rng, p):
+    """A scripted main-agent conversation (messages) with entity slots corrupted w.p. p.
+
+    The tool results are what a perfect sub-agent would return for the (maybe wrong)
+    sub-task, so the demo also teaches the main agent to carry a result forward.
+    """
+    kb = knowledge_base(q.seed, q.level)
+    x = q.text.split()[-2]
+    msgs = [{"role": "user", "content": q.text}]
+    chain = ["friend", "city", "country"] if q.level == 2 else ["city", "country"]
+    for rel in chain:
+        x = _noisy(rng, x, RELATIONS[rel][1], p)
+        msgs.append({"role": "assistant", "content": f"<call> {rel} of {x} </call>"})
+        x = kb[(rel, x)]
+        msgs.append({"role": "tool", "content": x})
+    msgs.append({"role": "assistant", "content": f"<answer> {_noisy(rng, x, COUNTRIES, p)} </answer>"})
+    return msgs
+
+
+def sub_demo(q, rng, p):
+    """A scripted sub-agent conversation: one search, then return the value read off it."""
+    kb = knowledge_base(q.seed, q.level)
+    rel = rng.choice(["city", "country"] + (["friend"] if q.level >= 2 else []))
+    _, subjects, values = RELATIONS[rel]
+    e = rng.choice(subjects)
+    query = _noisy(rng, e, subjects, p)
+    obs = search_observation(search_results(q.seed, q.level, query))
+    found = re.search(rf"(?:^|; ){e} {RELATIONS[rel][0]} (\S+)", obs)
+    value = found.group(1) if found else rng.choice(values)
+    return [{"role": "user", "content": f"{rel} of {e}"},
+            {"role": "assistant", "content": f"<search> {query} </search>"},
+            {"role": "tool", "content": obs},
+            {"role": "assistant", "content": f"<return> {_noisy(rng, value, values, p)} </return>"}]
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Toy search tool. `serve` runs the HTTP server; "
+                                 "`ask` prints a question and a search.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve the search tool on 127.0.0.1")
+    s.add_argument("--port", type=int, default=8765)
+    a = sub.add_parser("ask", help="print one question and one search")
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--level", type=int, default=1)
+    a.add_argument("--query", default=None)
+    args = ap.parse_args()
+    if args.cmd == "serve":
+        srv = make_server(args.port)
+        print(f"toy search on http://127.0.0.1:{srv.server_address[1]}/search", flush=True)
+        srv.serve_forever()
+    else:
+        q = make_question(args.seed, args.level)
+        print(q)
+        query = args.query or q.text.split()[-2]
+        print(search_observation(search_results(q.seed, q.level, query)))

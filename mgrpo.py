@@ -21,7 +21,7 @@ What the algorithm really is, per training step:
   7. M's side passes S's side only a few statistics per rollout (spec 7); no gradient
      and no tensor crosses between the agents.
 
-The default run needs no download: two tiny Qwen2-style models with a word-level
+The default run needs no download: two tiny Llama/Qwen2-style models with a word-level
 tokenizer, built in code. Random models never hit the answer format by RL alone, so a
 short supervised cold start on noisy scripted demos stands in for the paper's stage 1
 (format learning) before M-GRPO starts. `--main-model` / `--sub-model` take a Hugging
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import toy_tools
 
@@ -155,7 +155,9 @@ def stable_seed(*parts):
 # =======================================================================================
 # Spec 1. The system: two distinct LLMs, each with its own tokenizer and optimizer
 # =======================================================================================
-SIZES = {  # Qwen2-style models built in code; parameter counts include tied embeddings
+# Models built in code. Llama architecture (Qwen2's, less the qkv bias): a saved "qwen2"
+# folder would make AutoTokenizer load Qwen2's BPE class over the word-level vocabulary.
+SIZES = {
     "0.1M": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                  intermediate_size=192),
     "1M": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -176,10 +178,10 @@ class Agent:
 
 def tiny_model(tok, size, seed):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=False,
+    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=False,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
                       **SIZES[size])
-    return Qwen2ForCausalLM(cfg)
+    return LlamaForCausalLM(cfg)
 
 
 def load_agent(name, args, seed):
@@ -403,7 +405,8 @@ def align_sub_trajectories(counts, D, rng):
 # Spec 6. The objectives (eq. 14-19): one clipped surrogate per agent
 # =======================================================================================
 def token_logprobs(model, ids, attn):
-    """logp[b, t] = log p(ids[b, t] | ids[b, :t]); logp[:, 0] = 0. Any padding side.
+    """logp[b, t] = log p(ids[b, t] | ids[b, :t]), and 0 at padding and at each row's
+    first token (nothing predicts it). Any padding side.
 
     Position ids come from the attention mask, so a left-padded row is scored as if it
     were unpadded; logits at t-1 predict the token at t (the shift).
@@ -411,6 +414,7 @@ def token_logprobs(model, ids, attn):
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
     lp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    lp = lp * (attn[:, 1:] * attn[:, :-1])
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
 
 

@@ -1,0 +1,94 @@
+"""End to end: the command line, its outputs, reproducibility, and a run that learns."""
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+import mgrpo
+import toy_tools
+
+TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "gen_tokens_per_s", "train_tokens_per_s")
+SHORT = ["--steps", "3", "--sft-steps", "20", "--questions-per-step", "4", "--group-size", "4",
+         "--eval-questions", "16", "--eval-every", "2"]
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+def test_short_run_writes_everything(tmp_path):
+    out = str(tmp_path / "run")
+    summary = mgrpo.main(SHORT + ["--out", out])
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in ("main_reward", "sub_reward", "success", "zero_var_main", "zero_var_sub", "n_dup", "n_drop",
+                    "clip_frac_main", "approx_kl_main", "grad_norm_main", "d_k"):
+            assert key in r, key
+    assert "eval_success" in rows[1]
+    with open(os.path.join(out, "summary.json")) as f:
+        saved = json.load(f)
+    assert saved == json.loads(json.dumps(summary))
+    for key in ("eval_success_start", "eval_success_end", "steps", "wall_time_s", "D_paper_rule", "d_k_histogram"):
+        assert key in saved, key
+    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 3 and state["opt_main"]["state"] and state["opt_sub"]["state"]
+    assert set(state["rng"]) == {"python", "numpy", "torch"}
+    # the trained agents load back through the ordinary Hugging Face path
+    args = mgrpo.parse_args([])
+    for name in ("main", "sub"):
+        agent = mgrpo.load_agent(os.path.join(out, name), args, seed=0)
+        assert agent.tok.decode(mgrpo.render(agent.tok, "user", "city of ada")) == "<user> city of ada <assistant>"
+
+
+def test_bad_arguments_fail_clearly(capsys):
+    with pytest.raises(SystemExit):
+        mgrpo.parse_args(["--group-size", "1"])
+    assert "--group-size must be >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mgrpo.parse_args(["--loss-agg", "sum", "--level", "5"])
+    err = capsys.readouterr().err
+    assert "--loss-agg" in err and "--level" in err
+
+
+def test_same_seed_same_run_and_http_search_agrees(tmp_path):
+    srv = toy_tools.make_server(0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        a = mgrpo.main(SHORT + ["--out", str(tmp_path / "a")])
+        b = mgrpo.main(SHORT + ["--out", str(tmp_path / "b"), "--search", url])
+    finally:
+        srv.shutdown()
+    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
+    assert a["eval_success_end"] == b["eval_success_end"]
+    c = mgrpo.main(SHORT + ["--out", str(tmp_path / "c"), "--seed", "2"])
+    assert metrics(tmp_path / "c") != metrics(tmp_path / "a")
+    assert c["steps"] == 3
+
+
+def test_down_search_server_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="not reachable"):
+        mgrpo.main(SHORT + ["--out", str(tmp_path / "x"), "--search", "http://127.0.0.1:9"])
+
+
+@pytest.fixture(scope="module")
+def cold_start_dir(tmp_path_factory):
+    """The default cold start (stage-1 stand-in), saved once: about 80 s on 2 CPU cores."""
+    out = str(tmp_path_factory.mktemp("cold"))
+    mgrpo.main(["--steps", "0", "--eval-questions", "32", "--out", out])
+    return out
+
+
+def test_success_rises(cold_start_dir, tmp_path):
+    """M-GRPO from the saved cold start, loaded by path: sampled success goes up."""
+    s = mgrpo.main(["--main-model", os.path.join(cold_start_dir, "main"),
+                    "--sub-model", os.path.join(cold_start_dir, "sub"), "--sft-steps", "0",
+                    "--steps", "60", "--eval-questions", "128", "--eval-every", "0", "--out", str(tmp_path)])
+    assert s["eval_success_end"] >= s["eval_success_start"] + 0.1, s
+    rows = metrics(tmp_path)
+    first, last = rows[:10], rows[-10:]
+    assert sum(r["main_reward"] for r in last) > sum(r["main_reward"] for r in first)

@@ -147,11 +147,6 @@ def parse_args(argv=None):
     return a
 
 
-def stable_seed(*parts):
-    """A seed from (seed, step, role, turn, ...): the same in every process and on every run."""
-    return toy_tools._stable_seed(*parts)
-
-
 # =======================================================================================
 # Spec 1. The system: two distinct LLMs, each with its own tokenizer and optimizer
 # =======================================================================================
@@ -178,6 +173,7 @@ class Agent:
     opt: torch.optim.Optimizer = None
     stop_ids: tuple = ()   # token ids that end a turn
     suppress: tuple = ()   # never sampled: pad and unk look like padding in generate's output
+    pad_id: int = 0        # the tokenizer's pad, else its eos (padding is found by length anyway)
 
 
 def tiny_model(tok, size, seed):
@@ -202,7 +198,8 @@ def load_agent(name, args, seed):
     suppress = {tok.pad_token_id, tok.unk_token_id} - stop - {None}
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
                             weight_decay=args.weight_decay)
-    return Agent(model, tok, opt, tuple(sorted(stop)), tuple(sorted(suppress)))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(stop)
+    return Agent(model, tok, opt, tuple(sorted(stop)), tuple(sorted(suppress)), pad)
 
 
 def render(tok, role, content):
@@ -251,7 +248,7 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False):
     Left padding with an explicit attention mask. Log-probs come from the raw logits
     (`output_logits`), i.e. the temperature-1 policy that training recomputes.
     """
-    pad = agent.tok.pad_token_id if agent.tok.pad_token_id is not None else agent.stop_ids[0]
+    pad = agent.pad_id
     L = max(map(len, contexts))
     ids = torch.full((len(contexts), L), pad, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -292,7 +289,7 @@ def run_sub_agents(sub, tasks, questions, args, search, seed, greedy=False):
         if not active:
             break
         outs = generate(sub, [trajs[j].ids for j in active], args.max_new_tokens,
-                        stable_seed(seed, "sub", turn), greedy)
+                        toy_tools.stable_seed(seed, "sub", turn), greedy)
         still = []
         for j, (new, lp, ended) in zip(active, outs):
             t = trajs[j]
@@ -324,7 +321,7 @@ def rollout(main, sub, questions, K, args, search, seed, greedy=False):
         if not active:
             break
         outs = generate(main, [mains[j].ids for j in active], args.max_new_tokens,
-                        stable_seed(seed, "main", turn), greedy)
+                        toy_tools.stable_seed(seed, "main", turn), greedy)
         calls = []
         for j, (new, lp, ended) in zip(active, outs):
             m = mains[j]
@@ -338,7 +335,7 @@ def rollout(main, sub, questions, K, args, search, seed, greedy=False):
                 calls.append((j, act[1]))
         if calls:
             st = run_sub_agents(sub, [c[1] for c in calls], [questions[mains[j].q] for j, _ in calls],
-                                args, search, stable_seed(seed, "turn", turn), greedy)
+                                args, search, toy_tools.stable_seed(seed, "turn", turn), greedy)
             for (j, _), s in zip(calls, st):
                 s.q, s.k = mains[j].q, mains[j].k
                 mains[j].calls.append(len(subs))
@@ -471,8 +468,7 @@ def update_agent(agent, trajs, adv, args):
     (normalised over the whole batch, not per micro-batch).
     """
     model, dev = agent.model, agent.model.device
-    pad = agent.tok.pad_token_id if agent.tok.pad_token_id is not None else agent.stop_ids[0]
-    ids, attn, mask, old = collate(trajs, pad, dev)
+    ids, attn, mask, old = collate(trajs, agent.pad_id, dev)
     adv = adv.to(dev)
     B, mb = len(trajs), args.micro_batch or len(trajs)
     n_tok = mask.sum().clamp(min=1)
@@ -527,7 +523,7 @@ def sub_side(subs, exchange, questions, K, args, rng):
     batch, rewards, adv = [], [], []
     n_dup = n_drop = n_zero = n_groups = 0
     for q in range(len(questions)):
-        rows = [e for e in exchange if e["query"] == q]
+        rows = sorted((e for e in exchange if e["query"] == q), key=lambda e: e["rollout"])
         counts = [len(e["subs"]) for e in rows]
         pairs = align_sub_trajectories(counts, D, rng)
         n_drop += sum(max(0, d - D) for d in counts)
@@ -549,34 +545,31 @@ def sub_side(subs, exchange, questions, K, args, rng):
 def train_step(main, sub, step, args, search):
     """Rollout, then each agent's side; returns the step's metrics."""
     t0 = time.perf_counter()
-    rng = random.Random(stable_seed(args.seed, "questions", step))
+    rng = random.Random(toy_tools.stable_seed(args.seed, "questions", step))
     questions = [toy_tools.make_question(rng.randrange(2 ** 31), args.level)
                  for _ in range(args.questions_per_step)]
     K = args.group_size
-    mains, subs = rollout(main, sub, questions, K, args, search, stable_seed(args.seed, "rollout", step))
+    seed = toy_tools.stable_seed(args.seed, "rollout", step)
+    mains, subs = rollout(main, sub, questions, K, args, search, seed)
     t_gen = time.perf_counter() - t0
 
     r_main, adv_main, exchange, m_stats = main_side(mains, questions, K, args)
     up_m = update_agent(main, mains, adv_main, args)
 
-    align_rng = random.Random(stable_seed(args.seed, "align", step))
+    align_rng = random.Random(toy_tools.stable_seed(args.seed, "align", step))
     batch, r_sub, adv_sub, s_stats = sub_side(subs, exchange, questions, K, args, align_rng)
     up_s = update_agent(sub, batch, adv_sub, args) if batch else None
 
     dt = time.perf_counter() - t0
-    gen_tokens = sum(sum(t.mask) for t in mains + subs)
-    d = [len(m.calls) for m in mains]
+    ups = {"main": up_m, **({"sub": up_s} if up_s else {})}
     rec = {"step": step, "main_reward": float(r_main.mean()),
            "sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **m_stats, **s_stats,
-           "d_k": d, "sub_calls": len(subs),
-           "clip_frac_main": up_m["clip_frac"], "approx_kl_main": up_m["approx_kl"],
-           "grad_norm_main": up_m["grad_norm"], "t_gen": t_gen,
-           "t_fwd": up_m["t_fwd"] + (up_s["t_fwd"] if up_s else 0),
-           "t_bwd": up_m["t_bwd"] + (up_s["t_bwd"] if up_s else 0), "t_step": dt,
-           "gen_tokens_per_s": gen_tokens / t_gen,
-           "train_tokens_per_s": (up_m["tokens"] + (up_s["tokens"] if up_s else 0)) / (dt - t_gen)}
-    if up_s:
-        rec.update(clip_frac_sub=up_s["clip_frac"], approx_kl_sub=up_s["approx_kl"], grad_norm_sub=up_s["grad_norm"])
+           "d_k": [len(m.calls) for m in mains], "sub_calls": len(subs),
+           **{f"{k}_{name}": up[k] for name, up in ups.items() for k in ("clip_frac", "approx_kl", "grad_norm")},
+           "t_gen": t_gen, "t_fwd": sum(up["t_fwd"] for up in ups.values()),
+           "t_bwd": sum(up["t_bwd"] for up in ups.values()), "t_step": dt,
+           "gen_tokens_per_s": sum(sum(t.mask) for t in mains + subs) / t_gen,
+           "train_tokens_per_s": sum(up["tokens"] for up in ups.values()) / (dt - t_gen)}
     return rec
 
 
@@ -599,12 +592,11 @@ def cold_start(agent, demo_fn, args, seed):
     """Teacher-forced cross-entropy on mask-1 tokens of freshly generated demos."""
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(seed)
-    pad = agent.tok.pad_token_id if agent.tok.pad_token_id is not None else agent.stop_ids[0]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / args.sft_steps)))
     for _ in range(args.sft_steps):
         demos = [demo_fn(toy_tools.make_question(rng.randrange(2 ** 31), args.level), rng, args.demo_noise)
                  for _ in range(args.sft_batch)]
-        ids, attn, mask, _ = collate([encode_demo(agent.tok, d) for d in demos], pad, agent.model.device)
+        ids, attn, mask, _ = collate([encode_demo(agent.tok, d) for d in demos], agent.pad_id, agent.model.device)
         loss = -(token_logprobs(agent.model, ids, attn) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -625,7 +617,7 @@ def evaluate(main, sub, args, search, greedy=False, chunk=256):
     ok = []
     for s in range(0, len(questions), chunk):
         qs = questions[s:s + chunk]
-        mains, _ = rollout(main, sub, qs, 1, args, search, stable_seed("eval", s), greedy)
+        mains, _ = rollout(main, sub, qs, 1, args, search, toy_tools.stable_seed("eval", s), greedy)
         ok += [m.ok and toy_tools.answer_correct(q, m.result) for m, q in zip(mains, qs)]
     return float(np.mean(ok))
 
@@ -669,8 +661,8 @@ def main(argv=None):
 
     if args.sft_steps:
         t0 = time.time()
-        lm = cold_start(main_agent, toy_tools.main_demo, args, stable_seed(args.seed, "sft-main"))
-        ls = cold_start(sub_agent, toy_tools.sub_demo, args, stable_seed(args.seed, "sft-sub"))
+        lm = cold_start(main_agent, toy_tools.main_demo, args, toy_tools.stable_seed(args.seed, "sft-main"))
+        ls = cold_start(sub_agent, toy_tools.sub_demo, args, toy_tools.stable_seed(args.seed, "sft-sub"))
         print(f"cold start: {args.sft_steps} steps on noisy demos, final loss main {lm:.3f} sub {ls:.3f} "
               f"({time.time() - t0:.0f}s)", flush=True)
     summary = {"eval_success_start": evaluate(main_agent, sub_agent, args, search),

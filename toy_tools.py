@@ -108,9 +108,11 @@ def make_question(seed, level):
     return Question(seed, level, f"country of friend of {x} ?", kb[("country", kb[("city", y)])])
 
 
-def _stable_seed(*parts):
-    # Python's hash() of a str changes from process to process; crc32 does not, so the
-    # server and the in-process tool pick the same distractors.
+def stable_seed(*parts):
+    """A seed from parts such as (seed, step, role, turn), the same in every process.
+
+    Python's hash() of a str changes from process to process; crc32 does not, so the
+    server and the in-process tool pick the same distractors, and runs repeat."""
     return zlib.crc32("|".join(map(str, parts)).encode())
 
 
@@ -126,7 +128,7 @@ def search_results(seed, level, query):
         # the right relation; at level 2 it means matching the entity too.
         clean = [k for k in others if k[0] not in {h[0] for h in hits}]
         others = clean if len(clean) >= need else others
-    rng = random.Random(_stable_seed(seed, level, query))
+    rng = random.Random(stable_seed(seed, level, query))
     keys = hits + rng.sample(others, need)
     rng.shuffle(keys)
     return [{"url": f"toy://kb/{seed}/{rel}/{subj}", "title": subj,

@@ -36,7 +36,8 @@ def test_generation_logprobs_equal_recomputed_under_left_padding(agents):
     ctx = [mgrpo.render(main.tok, "user", text) for text in
            ["country of ada ?", "country of friend of bo ?", "city of cy", "country of friend of friend of dex ?"]]
     outs = mgrpo.generate(main, ctx, 8, seed=0)
-    trajs = [mgrpo.Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(ctx, outs)]
+    trajs = [mgrpo.Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp)
+             for c, (new, lp, _) in zip(ctx, outs)]
     assert len({len(t.ids) for t in trajs}) > 1  # rows of different lengths: padding matters
     ids, attn, mask, old = mgrpo.collate(trajs, main.tok.pad_token_id, "cpu")  # right padded
     with torch.no_grad():
@@ -108,8 +109,8 @@ def _grads(agent, trajs, adv, args):
 @pytest.mark.parametrize("agg", ["seq-mean", "token-mean"])
 def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
     main, _ = agents
-    trajs = [mgrpo.encode_demo(main.tok, toy_tools.main_demo(toy_tools.make_question(s, 1 + s % 2), random.Random(s), 0.3))
-             for s in range(6)]
+    demos = [toy_tools.main_demo(toy_tools.make_question(s, 1 + s % 2), random.Random(s), 0.3) for s in range(6)]
+    trajs = [mgrpo.encode_demo(main.tok, d) for d in demos]
     for t in trajs:
         t.logp = [x - 2.0 * m for x, m in zip(t.logp, t.mask)]  # ratio != 1 somewhere
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 2.0, -0.2])

@@ -22,7 +22,8 @@ def test_rewards_eq_4_5():
 def test_group_advantages_by_hand():
     # mean 0.25, population std sqrt(0.1875) = 0.4330
     a = group_advantages([1.0, 0.0, 0.0, 0.0])
-    assert a.tolist() == pytest.approx([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)], rel=1e-4)
+    r3 = 1 / math.sqrt(3)
+    assert a.tolist() == pytest.approx([math.sqrt(3), -r3, -r3, -r3], rel=1e-4)
     # population, not sample, std: [0, 1] -> [-1, 1] (the sample std would give +-0.707)
     assert group_advantages([0.0, 1.0]).tolist() == pytest.approx([-1.0, 1.0], rel=1e-4)
 

@@ -34,10 +34,14 @@ import ast
 import argparse
 import dataclasses
 import inspect
+import itertools
 import json
 import math
 import os
 import random
+import re
+import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -113,6 +117,21 @@ class Args:
     """held-out questions per evaluation (fixed seed, same for every run)"""
     eval_every: int = 50
     """evaluate every N steps as well as before and after RL; 0 = before and after only"""
+    role: str = "both"
+    """both: one process holds both agents; main / sub: this process holds one agent and
+    talks to the other role's process through --store (spec 7)"""
+    store: str = ""
+    """shared store for --role main / sub: a directory both processes can reach"""
+    run_id: str = "run"
+    """names this run's records inside the store"""
+    unsync: bool = False
+    """the sub-agent trains on the previous step's data (the paper's off-policy version)"""
+    resume: bool = False
+    """continue from the last checkpoint in --out (needs --out)"""
+    save_every: int = 1
+    """checkpoint every N steps (and after each evaluation); resume restarts from the last one"""
+    peer_timeout: float = 60.0
+    """seconds without a heartbeat from the other role before this one stops with an error"""
 
 
 def parse_args(argv=None):
@@ -127,6 +146,8 @@ def parse_args(argv=None):
         kw = dict(default=f.default, help=docs[f.name])
         if f.type is tuple:
             kw.update(type=float, nargs=len(f.default))
+        elif f.type is bool:
+            kw["action"] = "store_true"
         else:
             kw["type"] = type(f.default)
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
@@ -141,6 +162,10 @@ def parse_args(argv=None):
         (min(a.questions_per_step, a.ppo_epochs, a.eval_questions) < 1,
          "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
         (a.main_max_turns < 2 or a.sub_max_turns < 2, "--main-max-turns and --sub-max-turns must be >= 2"),
+        (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
+        (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
+        (a.resume and not a.out, "--resume needs the --out of the run to continue"),
+        (a.save_every < 1 or a.peer_timeout <= 0, "--save-every must be >= 1 and --peer-timeout > 0"),
     ] if bad]
     if errors:
         p.error("; ".join(errors))
@@ -174,6 +199,7 @@ class Agent:
     stop_ids: tuple = ()   # token ids that end a turn
     suppress: tuple = ()   # never sampled: pad and unk look like padding in generate's output
     pad_id: int = 0        # the tokenizer's pad, else its eos (padding is found by length anyway)
+    pending: tuple = None  # --unsync: (batch, advantages) of the previous step, not yet trained on
 
 
 def tiny_model(tok, size, seed):
@@ -308,11 +334,13 @@ def run_sub_agents(sub, tasks, questions, args, search, seed, greedy=False):
     return trajs
 
 
-def rollout(main, sub, questions, K, args, search, seed, greedy=False):
+def rollout(main, delegate, questions, K, args, seed, greedy=False):
     """K rollouts per question of the whole system; returns (main trajs, sub trajs).
 
     At every main turn, one generate call for all active main rollouts, then S's loops
-    for all delegations of that turn together (spec 1, issue: batch in lockstep).
+    for all delegations of that turn together, through `delegate(tasks, questions, seed,
+    greedy) -> sub trajs`: S in this process (`local_delegate`) or in the other role's
+    process, through the store (`remote_delegate`).
     """
     mains = [new_traj(main.tok, q.text, q=qi, k=k) for qi, q in enumerate(questions) for k in range(K)]
     subs = []
@@ -334,8 +362,8 @@ def rollout(main, sub, questions, K, args, search, seed, greedy=False):
             else:
                 calls.append((j, act[1]))
         if calls:
-            st = run_sub_agents(sub, [c[1] for c in calls], [questions[mains[j].q] for j, _ in calls],
-                                args, search, toy_tools.stable_seed(seed, "turn", turn), greedy)
+            st = delegate([c[1] for c in calls], [questions[mains[j].q] for j, _ in calls],
+                          toy_tools.stable_seed(seed, "turn", turn), greedy)
             for (j, _), s in zip(calls, st):
                 s.q, s.k = mains[j].q, mains[j].k
                 mains[j].calls.append(len(subs))
@@ -501,8 +529,8 @@ def update_agent(agent, trajs, adv, args):
 
 
 # =======================================================================================
-# Spec 7. One M-GRPO step. M's side and S's side share only `exchange` (a list of dicts),
-# so they can later run in two processes around a file-based store.
+# Spec 7. One M-GRPO step. M's side and S's side share only `exchange`, a list of plain
+# dicts, so that they can run in two processes around a file-based store.
 # =======================================================================================
 def main_side(mains, questions, K, args):
     """M: rewards (eq. 4), advantages over the K rollouts of each query (eq. 9-10), and
@@ -542,35 +570,214 @@ def sub_side(subs, exchange, questions, K, args, rng):
     return batch, torch.tensor(rewards), (torch.cat(adv) if adv else torch.zeros(0)), stats
 
 
-def train_step(main, sub, step, args, search):
-    """Rollout, then each agent's side; returns the step's metrics."""
+def sub_step(sub, subs, exchange, questions, step, args):
+    """S's side of a step: R_S, alignment, A_S and S's update. With --unsync, S updates on
+    the previous step's batch (kept in `sub.pending`), one step behind its rollouts."""
+    rng = random.Random(toy_tools.stable_seed(args.seed, "align", step))
+    batch, r_sub, adv, stats = sub_side(subs, exchange, questions, args.group_size, args, rng)
+    if args.unsync:
+        (batch, adv), sub.pending = sub.pending or ([], None), (batch, adv)
+    up = update_agent(sub, batch, adv, args) if batch else {}
+    return {"sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **stats,
+            **{f"{k}_sub": up[k] for k in ("clip_frac", "approx_kl", "grad_norm") if k in up},
+            "t_fwd_sub": up.get("t_fwd", 0.0), "t_bwd_sub": up.get("t_bwd", 0.0), "train_tokens_sub": up.get("tokens", 0.0)}
+
+
+def train_step(main, delegate, step, args, sub=None, store=None, phase=""):
+    """Rollout, M's side, and (when S lives in this process) S's side; the step's metrics.
+
+    With S in another process, M writes `exchange` to the store and S's process does the
+    rest; M writes it before its own update so that both updates can run at once.
+    """
     t0 = time.perf_counter()
     rng = random.Random(toy_tools.stable_seed(args.seed, "questions", step))
     questions = [toy_tools.make_question(rng.randrange(2 ** 31), args.level)
                  for _ in range(args.questions_per_step)]
     K = args.group_size
-    seed = toy_tools.stable_seed(args.seed, "rollout", step)
-    mains, subs = rollout(main, sub, questions, K, args, search, seed)
+    mains, subs = rollout(main, delegate, questions, K, args, toy_tools.stable_seed(args.seed, "rollout", step))
     t_gen = time.perf_counter() - t0
 
     r_main, adv_main, exchange, m_stats = main_side(mains, questions, K, args)
-    up_m = update_agent(main, mains, adv_main, args)
-
-    align_rng = random.Random(toy_tools.stable_seed(args.seed, "align", step))
-    batch, r_sub, adv_sub, s_stats = sub_side(subs, exchange, questions, K, args, align_rng)
-    up_s = update_agent(sub, batch, adv_sub, args) if batch else None
-
+    if store:
+        store.put(f"{phase}-done", {"exchange": exchange, "questions": [[q.seed, q.level] for q in questions]})
+    up = update_agent(main, mains, adv_main, args)
+    rec = {"step": step, "main_reward": float(r_main.mean()), **m_stats, "d_k": [len(m.calls) for m in mains],
+           "sub_calls": len(subs), **{f"{k}_main": up[k] for k in ("clip_frac", "approx_kl", "grad_norm")}}
+    train_tokens, t_fwd, t_bwd = up["tokens"], up["t_fwd"], up["t_bwd"]
+    if sub:
+        rs = sub_step(sub, subs, exchange, questions, step, args)
+        train_tokens, t_fwd, t_bwd = (train_tokens + rs.pop("train_tokens_sub"),
+                                      t_fwd + rs.pop("t_fwd_sub"), t_bwd + rs.pop("t_bwd_sub"))
+        rec.update(rs)
     dt = time.perf_counter() - t0
-    ups = {"main": up_m, **({"sub": up_s} if up_s else {})}
-    rec = {"step": step, "main_reward": float(r_main.mean()),
-           "sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **m_stats, **s_stats,
-           "d_k": [len(m.calls) for m in mains], "sub_calls": len(subs),
-           **{f"{k}_{name}": up[k] for name, up in ups.items() for k in ("clip_frac", "approx_kl", "grad_norm")},
-           "t_gen": t_gen, "t_fwd": sum(up["t_fwd"] for up in ups.values()),
-           "t_bwd": sum(up["t_bwd"] for up in ups.values()), "t_step": dt,
-           "gen_tokens_per_s": sum(sum(t.mask) for t in mains + subs) / t_gen,
-           "train_tokens_per_s": sum(up["tokens"] for up in ups.values()) / (dt - t_gen)}
+    rec.update(t_gen=t_gen, t_fwd=t_fwd, t_bwd=t_bwd, t_step=dt,
+               gen_tokens_per_s=sum(sum(t.mask) for t in mains + subs) / t_gen,
+               train_tokens_per_s=train_tokens / (dt - t_gen))
     return rec
+
+
+# =======================================================================================
+# Spec 7. Decoupled training: two processes, one directory of small JSON records
+# =======================================================================================
+class PeerGone(RuntimeError):
+    pass
+
+
+class FileStore:
+    """The shared store: one JSON file per record under <root>/<run_id>/, nothing executable.
+
+    Writes are atomic (temporary file, flush, fsync, rename), so a reader sees a whole
+    record or none. Keys are checked (letters, digits, '.', '_', '-'; no path escapes the
+    directory). Each role writes a heartbeat every second from a thread; a reader whose
+    peer has been silent longer than `timeout` raises PeerGone instead of hanging.
+    """
+    KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+    def __init__(self, root, run_id, role, timeout=60.0):
+        self.dir = os.path.join(root, self.check(run_id))
+        os.makedirs(self.dir, exist_ok=True)
+        self.role, self.peer, self.timeout = role, {"main": "sub", "sub": "main"}.get(role), timeout
+        self.io_time = 0.0      # seconds spent reading and writing records, not waiting
+        self.progress = 0       # published in the heartbeat: how far this role has checkpointed
+        self._stop = threading.Event()
+        self._started = time.time()
+        if self.peer:
+            threading.Thread(target=self._beat, daemon=True).start()
+
+    def check(self, key):
+        if not isinstance(key, str) or not self.KEY.fullmatch(key) or ".." in key:
+            raise ValueError(f"bad store key {key!r}")
+        return key
+
+    def path(self, key):
+        return os.path.join(self.dir, self.check(key) + ".json")
+
+    def put(self, key, obj):
+        t0 = time.perf_counter()
+        self._write(key, obj)
+        self.io_time += time.perf_counter() - t0
+
+    def _write(self, key, obj):
+        path = self.path(key)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # never ends in .json: never read
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def read(self, key):
+        """The record, or None if it is not there (yet)."""
+        t0 = time.perf_counter()
+        try:
+            with open(self.path(key)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        finally:
+            self.io_time += time.perf_counter() - t0
+
+    def wait(self, *keys):
+        """(key, record) of the first of `keys` present; polls, watching the peer's heartbeat."""
+        delay, last_check = 0.0005, time.time()
+        while True:
+            for key in keys:
+                rec = self.read(key)
+                if rec is not None:
+                    return key, rec
+            if time.time() - last_check > 1.0:
+                self.check_peer()
+                last_check = time.time()
+            time.sleep(delay)
+            delay = min(2 * delay, 0.02)
+
+    def check_peer(self):
+        beat = self.read(f"heartbeat-{self.peer}")
+        silent = time.time() - (beat["time"] if beat else self._started)
+        if silent > self.timeout:
+            what = "has sent no heartbeat" if beat is None else "has been silent"
+            raise PeerGone(f"the {self.peer} role {what} for {silent:.0f}s (store {self.dir}); start it "
+                           f"(python mgrpo.py --role {self.peer} --store ...), or restart it with --resume")
+        return beat
+
+    def wait_peer(self):
+        """Block until the peer's heartbeat is fresh: it is running now, not a stale record."""
+        while True:
+            beat = self.check_peer()
+            if beat and time.time() - beat["time"] < 5.0:
+                return beat
+            time.sleep(0.1)
+
+    def _beat(self):
+        while True:
+            self._write(f"heartbeat-{self.role}", {"time": time.time(), "pid": os.getpid(), "progress": self.progress})
+            if self._stop.wait(1.0):
+                return
+
+    def close(self):
+        self._stop.set()
+
+    def prune(self, before):
+        """Delete the step records of phases before schedule index `before`."""
+        for name in os.listdir(self.dir):
+            m = re.fullmatch(r"p(\d+)-.*\.json", name)
+            if m and int(m.group(1)) < before:
+                os.remove(os.path.join(self.dir, name))
+
+
+def schedule(args):
+    """The phases both roles walk through in the same order: (kind, step, greedy)."""
+    ph = [("eval", 0, False), ("eval", 0, True)]
+    for s in range(1, args.steps + 1):
+        ph.append(("step", s, False))
+        if args.eval_every and s % args.eval_every == 0 and s < args.steps:
+            ph.append(("eval", s, False))
+    return ph + [("eval", args.steps, False), ("eval", args.steps, True)]
+
+
+def local_delegate(sub, args, search):
+    """S in this process."""
+    return lambda tasks, questions, seed, greedy: run_sub_agents(sub, tasks, questions, args, search, seed, greedy)
+
+
+def remote_delegate(store, phase):
+    """S in the other process: each turn's sub-tasks go to the store, S's results come back."""
+    turns = itertools.count()
+
+    def delegate(tasks, questions, seed, greedy):
+        key = f"{phase}-t{next(turns)}"
+        store.put(key + "-tasks", {"tasks": tasks, "questions": [[q.seed, q.level] for q in questions],
+                                   "seed": seed, "greedy": greedy})
+        _, rec = store.wait(key + "-results")
+        if rec["tasks"] != tasks:  # a replay after a crash that did not sample the same tasks
+            raise RuntimeError(f"store record {key} answers other sub-tasks than this run asked; "
+                               f"restart both roles with --resume")
+        return [Traj([], [], [], task=t, result=r, ok=ok) for t, (r, ok) in zip(tasks, rec["results"])]
+    return delegate
+
+
+def serve_sub(sub, store, args, search, start, on_step):
+    """The sub role: answer every turn of every phase from schedule index `start` on, and
+    take S's side of each training step when M's side has written its statistics."""
+    for idx, (kind, step, greedy) in enumerate(schedule(args)):
+        if idx < start:
+            continue
+        phase, subs = f"p{idx:06d}", []
+        t0, io0 = time.perf_counter(), store.io_time
+        for turn in itertools.count():
+            key, rec = store.wait(f"{phase}-t{turn}-tasks", f"{phase}-done")
+            if key.endswith("-done"):
+                break
+            qs = [toy_tools.make_question(seed, level) for seed, level in rec["questions"]]
+            st = run_sub_agents(sub, rec["tasks"], qs, args, search, rec["seed"], rec["greedy"])
+            subs += st
+            store.put(f"{phase}-t{turn}-results", {"tasks": rec["tasks"], "results": [[s.result, s.ok] for s in st]})
+        out = None
+        if kind == "step":
+            qs = [toy_tools.make_question(seed, level) for seed, level in rec["questions"]]
+            out = {"step": step, **sub_step(sub, subs, rec["exchange"], qs, step, args),
+                   "t_step": time.perf_counter() - t0, "t_store": store.io_time - io0}
+        on_step(idx, out)
 
 
 # =======================================================================================
@@ -606,18 +813,19 @@ def cold_start(agent, demo_fn, args, seed):
     return loss.item()
 
 
+
 # =======================================================================================
 # Evaluation: sampled (temperature 1, as in training) and greedy success
 # =======================================================================================
 EVAL_SEED = 2 ** 40  # question seeds at or above this are never used for training
 
 
-def evaluate(main, sub, args, search, greedy=False, chunk=256):
+def evaluate(main, delegate, args, greedy=False, chunk=256):
     questions = [toy_tools.make_question(EVAL_SEED + i, args.level) for i in range(args.eval_questions)]
     ok = []
     for s in range(0, len(questions), chunk):
         qs = questions[s:s + chunk]
-        mains, _ = rollout(main, sub, qs, 1, args, search, toy_tools.stable_seed("eval", s), greedy)
+        mains, _ = rollout(main, delegate, qs, 1, args, toy_tools.stable_seed("eval", s), greedy)
         ok += [m.ok and toy_tools.answer_correct(q, m.result) for m, q in zip(mains, qs)]
     return float(np.mean(ok))
 
@@ -628,15 +836,70 @@ def paper_D(d_values, p=0.99):
     return int(d[int(np.ceil(p * len(d))) - 1]) if len(d) else 0
 
 
-def save_checkpoint(out, main, sub, step, args):
-    """Both agents (save_pretrained), their optimizers, the step and the RNG states."""
-    for name, a in (("main", main), ("sub", sub)):
-        a.model.save_pretrained(os.path.join(out, name))
-        a.tok.save_pretrained(os.path.join(out, name))
-    torch.save({"step": step, "args": dataclasses.asdict(args),
-                "opt_main": main.opt.state_dict(), "opt_sub": sub.opt.state_dict(),
+# =======================================================================================
+# Checkpoints: weights, optimizer, RNG, the unsync batch and the place in the schedule
+# =======================================================================================
+def save_checkpoint(out, agents, index, n_metrics):
+    """Atomically replace <out>/ckpt: a kill at any moment leaves the previous one whole."""
+    final, tmp = os.path.join(out, "ckpt"), os.path.join(out, f"ckpt.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name, a in agents.items():
+        a.model.save_pretrained(os.path.join(tmp, name))
+        a.tok.save_pretrained(os.path.join(tmp, name))
+    torch.save({"index": index, "metrics_lines": n_metrics,
+                "opt": {name: a.opt.state_dict() for name, a in agents.items()},
+                "pending": {name: ([dataclasses.asdict(t) for t in a.pending[0]], a.pending[1].tolist())
+                            for name, a in agents.items() if a.pending},
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}}, os.path.join(out, "trainer_state.pt"))
+                        "torch": torch.get_rng_state()}}, os.path.join(tmp, "state.pt"))
+    if os.path.exists(final):
+        os.replace(final, final + ".old")
+    os.replace(tmp, final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
+
+
+def load_checkpoint(out, names, args):
+    """(agents, schedule index, metrics lines) from <out>/ckpt, or None if there is none."""
+    path = next((p for p in (os.path.join(out, "ckpt"), os.path.join(out, "ckpt.old")) if os.path.exists(p)), None)
+    if path is None:
+        return None
+    st = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    agents = {}
+    for name in names:
+        a = agents[name] = load_agent(os.path.join(path, name), args, seed=0)
+        a.opt.load_state_dict(st["opt"][name])
+        if name in st["pending"]:
+            trajs, adv = st["pending"][name]
+            a.pending = ([Traj(**t) for t in trajs], torch.tensor(adv))
+    random.setstate(st["rng"]["python"])
+    np.random.set_state(st["rng"]["numpy"])
+    torch.set_rng_state(st["rng"]["torch"])
+    return agents, st["index"], st["metrics_lines"]
+
+
+# =======================================================================================
+# The run: one process with both agents, or one role of two
+# =======================================================================================
+SHARED_ARGS = ("seed", "steps", "questions_per_step", "group_size", "max_sub", "level", "eval_every",
+               "eval_questions", "unsync", "w_sub")  # what the two roles must agree on
+
+
+def progress_line(rec, steps):
+    if "eval" in rec:
+        return f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
+    parts = [f"step {rec['step']:4d}/{steps}"]
+    if "main_reward" in rec:
+        parts.append(f"R_M {rec['main_reward']:.3f} success {rec['success']:.3f} zero-var M {rec['zero_var_main']:.2f}")
+    if "sub_reward" in rec:
+        parts.append(f"R_S {rec['sub_reward']:.3f} zero-var S {rec['zero_var_sub']:.2f} "
+                     f"dup {rec['n_dup']} drop {rec['n_drop']}")
+    if "approx_kl_main" in rec:
+        parts.append(f"kl {rec['approx_kl_main']:.1e} gn {rec['grad_norm_main']:.2f}")
+    if "t_step" in rec:
+        parts.append(f"{rec['t_step']:.2f}s")
+    if "t_store" in rec and rec.get("t_step"):
+        parts.append(f"store {100 * rec['t_store'] / rec['t_step']:.1f}%")
+    return " | ".join(parts)
 
 
 def main(argv=None):
@@ -646,61 +909,143 @@ def main(argv=None):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-seed{args.seed}")
+    tag = "" if args.role == "both" else "-" + args.role
+    out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-seed{args.seed}{tag}")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "args.json"), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=1)
-    search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(args.search)
-    search.search("ada", 0, 1)  # a server that is down fails here, clearly, before any training
-    main_agent = load_agent(args.main_model, args, seed=args.seed)
-    sub_agent = load_agent(args.sub_model, args, seed=args.seed + 1)
-    n_params = sum(p.numel() for p in main_agent.model.parameters())
-    print(f"M-GRPO | main {args.main_model or 'tiny ' + args.model_size} ({n_params / 1e6:.2f}M params), "
-          f"sub {args.sub_model or 'tiny ' + args.model_size} | K={args.group_size} D={args.max_sub} "
-          f"level={args.level} device={args.device} | out: {out}", flush=True)
-
-    if args.sft_steps:
-        t0 = time.time()
-        lm = cold_start(main_agent, toy_tools.main_demo, args, toy_tools.stable_seed(args.seed, "sft-main"))
-        ls = cold_start(sub_agent, toy_tools.sub_demo, args, toy_tools.stable_seed(args.seed, "sft-sub"))
-        print(f"cold start: {args.sft_steps} steps on noisy demos, final loss main {lm:.3f} sub {ls:.3f} "
-              f"({time.time() - t0:.0f}s)", flush=True)
-    summary = {"eval_success_start": evaluate(main_agent, sub_agent, args, search),
-               "eval_greedy_success_start": evaluate(main_agent, sub_agent, args, search, greedy=True)}
-    print(f"eval before RL: sampled success {summary['eval_success_start']:.3f}, "
-          f"greedy {summary['eval_greedy_success_start']:.3f}", flush=True)
-
-    all_d, step = [], 0
-    metrics = open(os.path.join(out, "metrics.jsonl"), "w")
+    names = {"both": ["main", "sub"], "main": ["main"], "sub": ["sub"]}[args.role]
+    if args.role != "both" and args.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # two roles share the cores
+    store = FileStore(args.store, args.run_id, args.role, args.peer_timeout) if args.role != "both" else None
     try:
-        for step in range(1, args.steps + 1):
-            rec = train_step(main_agent, sub_agent, step, args, search)
-            all_d += rec["d_k"]
-            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-                rec["eval_success"] = evaluate(main_agent, sub_agent, args, search)
+        return run(args, out, names, store, t_start)
+    finally:
+        if store:
+            store.close()
+
+
+def run(args, out, names, store, t_start):
+    search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(args.search)
+    if "sub" in names:
+        search.search("ada", 0, 1)  # a server that is down fails here, clearly, before any training
+    shared = {k: getattr(args, k) for k in SHARED_ARGS}
+    if store and args.role == "main":
+        run_rec = store.read("run")
+        if not args.resume and run_rec is not None:
+            raise RuntimeError(f"the store {store.dir} holds an earlier run; use --resume, another --run-id "
+                               f"or an empty store")
+        if run_rec is not None and run_rec != json.loads(json.dumps(shared)):
+            raise RuntimeError(f"--resume with other settings than the run in {store.dir}: {run_rec}")
+        store.put("run", shared)
+    if store and args.role == "sub":
+        if not args.resume:
+            store.wait_peer()  # a live main role, not the records of an earlier run
+        _, run_rec = store.wait("run")
+        if run_rec != json.loads(json.dumps(shared)):
+            diff = {k: (v, shared[k]) for k, v in run_rec.items() if json.loads(json.dumps(shared[k])) != v}
+            raise RuntimeError(f"the sub role's settings differ from the main role's (main, sub): {diff}")
+
+    ckpt = load_checkpoint(out, names, args) if args.resume else None
+    if ckpt:
+        agents, start, n_lines = ckpt
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            kept = f.readlines()[:n_lines]  # drop lines of steps after the checkpoint
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.writelines(kept)
+        print(f"resumed from {out}/ckpt at schedule position {start}", flush=True)
+    else:
+        if args.resume:
+            print(f"no checkpoint in {out}: starting afresh", flush=True)
+        start, n_lines = 0, 0
+        model_names = {"main": args.main_model, "sub": args.sub_model}
+        agents = {n: load_agent(model_names[n], args, seed=args.seed + (n == "sub")) for n in names}
+        with open(os.path.join(out, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=1)
+        open(os.path.join(out, "metrics.jsonl"), "w").close()
+    n_params = {n: sum(p.numel() for p in a.model.parameters()) / 1e6 for n, a in agents.items()}
+    print(f"M-GRPO | role {args.role} | " + ", ".join(f"{n} {p:.2f}M params" for n, p in n_params.items())
+          + f" | K={args.group_size} D={args.max_sub} level={args.level} device={args.device}"
+          + (" unsync" if args.unsync else "") + f" | out: {out}", flush=True)
+
+    if not ckpt and args.sft_steps:
+        t0 = time.time()
+        demos = {"main": toy_tools.main_demo, "sub": toy_tools.sub_demo}
+        losses = {n: cold_start(a, demos[n], args, toy_tools.stable_seed(args.seed, "sft-" + n))
+                  for n, a in agents.items()}
+        print(f"cold start: {args.sft_steps} steps on noisy demos, final loss "
+              + " ".join(f"{n} {v:.3f}" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)", flush=True)
+    if not ckpt:
+        save_checkpoint(out, agents, 0, 0)
+
+    metrics = open(os.path.join(out, "metrics.jsonl"), "a")
+    plan = schedule(args)
+
+    def finish_phase(idx, rec):
+        nonlocal n_lines
+        if rec is not None:
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
-            print(f"step {step:4d}/{args.steps} | R_M {rec['main_reward']:.3f} R_S {rec['sub_reward']:.3f} "
-                  f"success {rec['success']:.3f} | zero-var M {rec['zero_var_main']:.2f} "
-                  f"S {rec['zero_var_sub']:.2f} | dup {rec['n_dup']} drop {rec['n_drop']} | "
-                  f"kl {rec['approx_kl_main']:.1e} gn {rec['grad_norm_main']:.2f} | {rec['t_step']:.2f}s"
-                  + (f" | eval {rec['eval_success']:.3f}" if "eval_success" in rec else ""), flush=True)
-    finally:  # a crash or Ctrl-C keeps every completed step and the weights
-        metrics.close()
-        save_checkpoint(out, main_agent, sub_agent, step, args)
+            n_lines += 1
+            print(progress_line(rec, args.steps), flush=True)
+        kind, step, _ = plan[idx]
+        if kind == "eval" or step % args.save_every == 0 or idx == len(plan) - 1:
+            save_checkpoint(out, agents, idx + 1, n_lines)
+            if store:
+                store.progress = idx + 1
+                peer = store.read(f"heartbeat-{store.peer}")
+                if args.role == "main" and peer:
+                    store.prune(min(idx + 1, peer["progress"]))
 
-    summary["eval_success_end"] = evaluate(main_agent, sub_agent, args, search)
-    summary["eval_greedy_success_end"] = evaluate(main_agent, sub_agent, args, search, greedy=True)
-    hist = {int(d): int(n) for d, n in zip(*np.unique(all_d, return_counts=True))}
-    summary.update(steps=args.steps, wall_time_s=round(time.time() - t_start, 1), d_k_histogram=hist,
-                   D_in_use=args.max_sub, D_paper_rule=paper_D(all_d))
+    try:
+        if args.role == "sub":
+            serve_sub(agents["sub"], store, args, search, start, finish_phase)
+        else:
+            main_agent, sub_agent = agents["main"], agents.get("sub")
+            for idx, (kind, step, greedy) in enumerate(plan):
+                if idx < start:
+                    continue
+                phase = f"p{idx:06d}"
+                delegate = remote_delegate(store, phase) if store else local_delegate(sub_agent, args, search)
+                io0 = store.io_time if store else 0.0
+                if kind == "eval":
+                    rec = {"step": step, "eval": "greedy" if greedy else "sampled",
+                           "eval_success": evaluate(main_agent, delegate, args, greedy)}
+                    if store:
+                        store.put(f"{phase}-done", {})
+                else:
+                    rec = train_step(main_agent, delegate, step, args, sub_agent, store, phase)
+                if store:
+                    rec["t_store"] = store.io_time - io0
+                finish_phase(idx, rec)
+    finally:
+        metrics.close()
+
+    for n, a in agents.items():  # the trained agents, ready for from_pretrained
+        a.model.save_pretrained(os.path.join(out, n))
+        a.tok.save_pretrained(os.path.join(out, n))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r for r in rows if "eval" not in r]
+    evals = {(r["step"], r["eval"]): r["eval_success"] for r in rows if "eval" in r}
+    summary = {"role": args.role, "steps": len(steps), "wall_time_s": round(time.time() - t_start, 1)}
+    if store:
+        t_step = sum(r["t_step"] for r in steps)
+        summary["store_share_of_step_time"] = sum(r.get("t_store", 0.0) for r in steps) / max(t_step, 1e-9)
+    if args.role != "sub":
+        all_d = [d for r in steps for d in r["d_k"]]
+        hist = {int(d): int(n) for d, n in zip(*np.unique(all_d, return_counts=True))} if all_d else {}
+        summary.update(eval_success_start=evals[(0, "sampled")], eval_greedy_success_start=evals[(0, "greedy")],
+                       eval_success_end=evals[(args.steps, "sampled")],
+                       eval_greedy_success_end=evals[(args.steps, "greedy")],
+                       d_k_histogram=hist, D_in_use=args.max_sub, D_paper_rule=paper_D(all_d))
+        print(f"d_k over all rollouts: {hist}; the paper's rule P(d_k <= D) >= 0.99 picks "
+              f"D = {summary['D_paper_rule']} (in use: D = {args.max_sub})")
+        print(f"eval after RL: sampled success {summary['eval_success_end']:.3f} "
+              f"(before {summary['eval_success_start']:.3f}), greedy {summary['eval_greedy_success_end']:.3f}")
+    if store:
+        print(f"store: {100 * summary['store_share_of_step_time']:.1f}% of step time in reads and writes")
+    print(f"{summary['wall_time_s']:.0f}s in all | {out}", flush=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(f"d_k over all rollouts: {hist}; the paper's rule P(d_k <= D) >= 0.99 picks "
-          f"D = {summary['D_paper_rule']} (in use: D = {args.max_sub})")
-    print(f"eval after RL: sampled success {summary['eval_success_end']:.3f} "
-          f"(before {summary['eval_success_start']:.3f}), greedy {summary['eval_greedy_success_end']:.3f} | "
-          f"{summary['wall_time_s']:.0f}s in all | {out}", flush=True)
     return summary
 
 

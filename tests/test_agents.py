@@ -82,7 +82,7 @@ def test_untrained_models_run_a_whole_step(args, agents):
     main, sub = (copy.deepcopy(a) for a in agents)
     a = copy.deepcopy(args)
     a.questions_per_step, a.group_size = 2, 4
-    rec = mgrpo.train_step(main, sub, 1, a, toy_tools.ToySearch())
+    rec = mgrpo.train_step(main, mgrpo.local_delegate(sub, a, toy_tools.ToySearch()), 1, a, sub)
     assert rec["main_reward"] == 0.0 and rec["zero_var_main"] == 1.0
     assert rec["success"] == 0.0
 
@@ -91,7 +91,8 @@ def test_rollout_masks_tool_output_and_sub_results(args, agents):
     """Scripted agents stand in for trained ones: every inserted token has mask 0."""
     main, sub = agents
     qs = [toy_tools.make_question(11, 1)]
-    mains, subs = mgrpo.rollout(main, sub, qs, 2, args, toy_tools.ToySearch(), seed=0)
+    delegate = mgrpo.local_delegate(sub, args, toy_tools.ToySearch())
+    mains, subs = mgrpo.rollout(main, delegate, qs, 2, args, seed=0)
     for t in mains + subs:
         assert len(t.ids) == len(t.mask) == len(t.logp)
         assert all(lp == 0.0 for lp, m in zip(t.logp, t.mask) if not m)

@@ -9,14 +9,16 @@ import torch
 import mgrpo
 import toy_tools
 
-TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "gen_tokens_per_s", "train_tokens_per_s")
+TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "t_store", "t_update", "gen_tokens_per_s", "train_tokens_per_s")
 SHORT = ["--steps", "3", "--sft-steps", "20", "--questions-per-step", "4", "--group-size", "4",
          "--eval-questions", "16", "--eval-every", "2"]
 
 
-def metrics(out):
+def metrics(out, evals=False):
+    """The step rows of metrics.jsonl (or the evaluation rows), timings left out."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+        rows = [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+    return [r for r in rows if ("eval" in r) == evals]
 
 
 def test_short_run_writes_everything(tmp_path):
@@ -28,14 +30,16 @@ def test_short_run_writes_everything(tmp_path):
         for key in ("main_reward", "sub_reward", "success", "zero_var_main", "zero_var_sub", "n_dup", "n_drop",
                     "clip_frac_main", "approx_kl_main", "grad_norm_main", "d_k"):
             assert key in r, key
-    assert "eval_success" in rows[1]
+    assert [(r["step"], r["eval"]) for r in metrics(out, evals=True)] == [
+        (0, "sampled"), (0, "greedy"), (2, "sampled"), (3, "sampled"), (3, "greedy")]
     with open(os.path.join(out, "summary.json")) as f:
         saved = json.load(f)
     assert saved == json.loads(json.dumps(summary))
     for key in ("eval_success_start", "eval_success_end", "steps", "wall_time_s", "D_paper_rule", "d_k_histogram"):
         assert key in saved, key
-    state = torch.load(os.path.join(out, "trainer_state.pt"), weights_only=False)
-    assert state["step"] == 3 and state["opt_main"]["state"] and state["opt_sub"]["state"]
+    state = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)
+    assert state["index"] == len(mgrpo.schedule(mgrpo.parse_args(SHORT))) and state["metrics_lines"] == 8
+    assert state["opt"]["main"]["state"] and state["opt"]["sub"]["state"]
     assert set(state["rng"]) == {"python", "numpy", "torch"}
     # the trained agents load back through the ordinary Hugging Face path
     args = mgrpo.parse_args([])
@@ -64,6 +68,7 @@ def test_same_seed_same_run_and_http_search_agrees(tmp_path):
     finally:
         srv.shutdown()
     assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
+    assert metrics(tmp_path / "a", evals=True) == metrics(tmp_path / "b", evals=True)
     assert a["eval_success_end"] == b["eval_success_end"]
     c = mgrpo.main(SHORT + ["--out", str(tmp_path / "c"), "--seed", "2"])
     assert metrics(tmp_path / "c") != metrics(tmp_path / "a")
@@ -75,18 +80,9 @@ def test_down_search_server_is_a_clear_error(tmp_path):
         mgrpo.main(SHORT + ["--out", str(tmp_path / "x"), "--search", "http://127.0.0.1:9"])
 
 
-@pytest.fixture(scope="module")
-def cold_start_dir(tmp_path_factory):
-    """The default cold start (stage-1 stand-in), saved once: about 80 s on 2 CPU cores."""
-    out = str(tmp_path_factory.mktemp("cold"))
-    mgrpo.main(["--steps", "0", "--eval-questions", "32", "--out", out])
-    return out
-
-
 def test_success_rises(cold_start_dir, tmp_path):
     """M-GRPO from the saved cold start, loaded by path: sampled success goes up."""
-    s = mgrpo.main(["--main-model", os.path.join(cold_start_dir, "main"),
-                    "--sub-model", os.path.join(cold_start_dir, "sub"), "--sft-steps", "0",
+    s = mgrpo.main(["--main-model", cold_start_dir["main"], "--sub-model", cold_start_dir["sub"], "--sft-steps", "0",
                     "--steps", "60", "--eval-questions", "128", "--eval-every", "0", "--out", str(tmp_path)])
     assert s["eval_success_end"] >= s["eval_success_start"] + 0.1, s
     rows = metrics(tmp_path)

@@ -578,9 +578,9 @@ def sub_step(sub, subs, exchange, questions, step, args):
     if args.unsync:
         (batch, adv), sub.pending = sub.pending or ([], None), (batch, adv)
     up = update_agent(sub, batch, adv, args) if batch else {}
-    return {"sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **stats,
-            **{f"{k}_sub": up[k] for k in ("clip_frac", "approx_kl", "grad_norm") if k in up},
-            "t_fwd_sub": up.get("t_fwd", 0.0), "t_bwd_sub": up.get("t_bwd", 0.0), "train_tokens_sub": up.get("tokens", 0.0)}
+    rec = {"sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **stats,
+           **{f"{k}_sub": up[k] for k in ("clip_frac", "approx_kl", "grad_norm") if k in up}}
+    return rec, up
 
 
 def train_step(main, delegate, step, args, sub=None, store=None, phase=""):
@@ -594,7 +594,8 @@ def train_step(main, delegate, step, args, sub=None, store=None, phase=""):
     questions = [toy_tools.make_question(rng.randrange(2 ** 31), args.level)
                  for _ in range(args.questions_per_step)]
     K = args.group_size
-    mains, subs = rollout(main, delegate, questions, K, args, toy_tools.stable_seed(args.seed, "rollout", step))
+    seed = toy_tools.stable_seed(args.seed, "rollout", step)
+    mains, subs = rollout(main, delegate, questions, K, args, seed)
     t_gen = time.perf_counter() - t0
 
     r_main, adv_main, exchange, m_stats = main_side(mains, questions, K, args)
@@ -603,16 +604,15 @@ def train_step(main, delegate, step, args, sub=None, store=None, phase=""):
     up = update_agent(main, mains, adv_main, args)
     rec = {"step": step, "main_reward": float(r_main.mean()), **m_stats, "d_k": [len(m.calls) for m in mains],
            "sub_calls": len(subs), **{f"{k}_main": up[k] for k in ("clip_frac", "approx_kl", "grad_norm")}}
-    train_tokens, t_fwd, t_bwd = up["tokens"], up["t_fwd"], up["t_bwd"]
+    ups = [up]
     if sub:
-        rs = sub_step(sub, subs, exchange, questions, step, args)
-        train_tokens, t_fwd, t_bwd = (train_tokens + rs.pop("train_tokens_sub"),
-                                      t_fwd + rs.pop("t_fwd_sub"), t_bwd + rs.pop("t_bwd_sub"))
+        rs, up_s = sub_step(sub, subs, exchange, questions, step, args)
         rec.update(rs)
+        ups.append(up_s)
     dt = time.perf_counter() - t0
-    rec.update(t_gen=t_gen, t_fwd=t_fwd, t_bwd=t_bwd, t_step=dt,
+    rec.update({k: sum(u.get(k, 0.0) for u in ups) for k in ("t_fwd", "t_bwd")}, t_gen=t_gen, t_step=dt,
                gen_tokens_per_s=sum(sum(t.mask) for t in mains + subs) / t_gen,
-               train_tokens_per_s=train_tokens / (dt - t_gen))
+               train_tokens_per_s=sum(u.get("tokens", 0.0) for u in ups) / (dt - t_gen))
     return rec
 
 
@@ -710,7 +710,8 @@ class FileStore:
 
     def _beat(self):
         while True:
-            self._write(f"heartbeat-{self.role}", {"time": time.time(), "pid": os.getpid(), "progress": self.progress})
+            beat = {"time": time.time(), "pid": os.getpid(), "progress": self.progress}
+            self._write(f"heartbeat-{self.role}", beat)
             if self._stop.wait(1.0):
                 return
 
@@ -771,12 +772,13 @@ def serve_sub(sub, store, args, search, start, on_step):
             qs = [toy_tools.make_question(seed, level) for seed, level in rec["questions"]]
             st = run_sub_agents(sub, rec["tasks"], qs, args, search, rec["seed"], rec["greedy"])
             subs += st
-            store.put(f"{phase}-t{turn}-results", {"tasks": rec["tasks"], "results": [[s.result, s.ok] for s in st]})
+            results = [[s.result, s.ok] for s in st]
+            store.put(f"{phase}-t{turn}-results", {"tasks": rec["tasks"], "results": results})
         out = None
         if kind == "step":
             qs = [toy_tools.make_question(seed, level) for seed, level in rec["questions"]]
-            out = {"step": step, **sub_step(sub, subs, rec["exchange"], qs, step, args),
-                   "t_step": time.perf_counter() - t0, "t_store": store.io_time - io0}
+            rs, _ = sub_step(sub, subs, rec["exchange"], qs, step, args)
+            out = {"step": step, **rs, "t_step": time.perf_counter() - t0, "t_store": store.io_time - io0}
         on_step(idx, out)
 
 
@@ -889,7 +891,8 @@ def progress_line(rec, steps):
         return f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
     parts = [f"step {rec['step']:4d}/{steps}"]
     if "main_reward" in rec:
-        parts.append(f"R_M {rec['main_reward']:.3f} success {rec['success']:.3f} zero-var M {rec['zero_var_main']:.2f}")
+        parts.append(f"R_M {rec['main_reward']:.3f} success {rec['success']:.3f} "
+                     f"zero-var M {rec['zero_var_main']:.2f}")
     if "sub_reward" in rec:
         parts.append(f"R_S {rec['sub_reward']:.3f} zero-var S {rec['zero_var_sub']:.2f} "
                      f"dup {rec['n_dup']} drop {rec['n_drop']}")

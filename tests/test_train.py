@@ -88,3 +88,13 @@ def test_success_rises(cold_start_dir, tmp_path):
     rows = metrics(tmp_path)
     first, last = rows[:10], rows[-10:]
     assert sum(r["main_reward"] for r in last) > sum(r["main_reward"] for r in first)
+
+
+def test_bench_script_runs():
+    import subprocess
+    import sys
+    bench = os.path.join(os.path.dirname(__file__), "bench.py")
+    r = subprocess.run([sys.executable, bench, "--sizes", "0.1M", "--steps", "1", "--sft-steps", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "0.1M" in r.stdout.splitlines()[-1]

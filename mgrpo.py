@@ -719,11 +719,17 @@ class FileStore:
         self._stop.set()
 
     def prune(self, before):
-        """Delete the step records of phases before schedule index `before`."""
+        """Delete the records of phases before schedule index `before`, and temporary files
+        that a writer killed mid-write left behind."""
         for name in os.listdir(self.dir):
+            path = os.path.join(self.dir, name)
             m = re.fullmatch(r"p(\d+)-.*\.json", name)
-            if m and int(m.group(1)) < before:
-                os.remove(os.path.join(self.dir, name))
+            try:
+                if (m and int(m.group(1)) < before) or (
+                        name.endswith(".tmp") and time.time() - os.path.getmtime(path) > self.timeout):
+                    os.remove(path)
+            except FileNotFoundError:  # the other role's rename got there first
+                pass
 
 
 def schedule(args):

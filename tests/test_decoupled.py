@@ -31,6 +31,9 @@ def test_store_roundtrip_keys_and_prune(tmp_path):
             mgrpo.FileStore(str(tmp_path), "../escape", "main")
         st.put("p000003-done", {})
         st.put("run", {"seed": 1})
+        stale = os.path.join(st.dir, "p000009-done.json.123.456.tmp")  # left by a killed writer
+        open(stale, "w").close()
+        os.utime(stale, (time.time() - 3600, time.time() - 3600))
         st.prune(2)
         names = sorted(os.listdir(st.dir))
         assert "p000001-t0-tasks.json" not in names and "p000003-done.json" in names and "run.json" in names

@@ -936,21 +936,21 @@ def run(args, out, names, store, t_start):
     search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(args.search)
     if "sub" in names:
         search.search("ada", 0, 1)  # a server that is down fails here, clearly, before any training
-    shared = {k: getattr(args, k) for k in SHARED_ARGS}
+    shared = json.loads(json.dumps({k: getattr(args, k) for k in SHARED_ARGS}))  # as the store holds it
     if store and args.role == "main":
         run_rec = store.read("run")
         if not args.resume and run_rec is not None:
             raise RuntimeError(f"the store {store.dir} holds an earlier run; use --resume, another --run-id "
                                f"or an empty store")
-        if run_rec is not None and run_rec != json.loads(json.dumps(shared)):
+        if run_rec is not None and run_rec != shared:
             raise RuntimeError(f"--resume with other settings than the run in {store.dir}: {run_rec}")
         store.put("run", shared)
     if store and args.role == "sub":
         if not args.resume:
             store.wait_peer()  # a live main role, not the records of an earlier run
         _, run_rec = store.wait("run")
-        if run_rec != json.loads(json.dumps(shared)):
-            diff = {k: (v, shared[k]) for k, v in run_rec.items() if json.loads(json.dumps(shared[k])) != v}
+        if run_rec != shared:
+            diff = {k: (v, shared.get(k)) for k, v in run_rec.items() if shared.get(k) != v}
             raise RuntimeError(f"the sub role's settings differ from the main role's (main, sub): {diff}")
 
     ckpt = load_checkpoint(out, names, args) if args.resume else None

@@ -66,7 +66,10 @@ class Args:
     max_sub: int = 2
     """D: aligned sub-trajectories per rollout (eq. 11); the paper picks P(d_k <= D) ~ 0.99"""
     level: int = 1
-    """toy task level: 1 = 2-hop, 3 clean snippets; 2 = 3-hop, 5 snippets (stage 2)"""
+    """toy task level: 1 = 3 short clean snippets per search (stage 1); 2 = 8 long noisy ones (stage 2)"""
+    mode: str = "co-train"
+    """co-train: M-GRPO, both agents train; main-only: S stays frozen as loaded or cold-started,
+    M trains (GRPO); single-agent: one model searches for itself and answers (GRPO), no S"""
     main_model: str = ""
     """main agent: a Hugging Face name or path; empty builds a tiny model in code"""
     sub_model: str = ""
@@ -81,6 +84,8 @@ class Args:
     """output folder; empty: runs/<time>-seed<seed>"""
     sft_steps: int = 1200
     """cold-start steps on noisy scripted demos (stands in for stage 1); 0 skips it"""
+    sft_levels: str = ""
+    """task levels of the cold-start demos, e.g. '1,2' (taken in turn); empty: --level"""
     sft_batch: int = 64
     """demos per cold-start step, per agent"""
     sft_lr: float = 3e-3
@@ -156,11 +161,16 @@ def parse_args(argv=None):
         (a.group_size < 2, "--group-size must be >= 2 (a group of one has no baseline)"),
         (a.max_sub < 1, "--max-sub must be >= 1"),
         (a.level not in (1, 2), "--level must be 1 or 2"),
+        (a.mode not in ("co-train", "main-only", "single-agent"), "--mode must be co-train, main-only or single-agent"),
+        (a.mode == "single-agent" and a.role != "both", "--mode single-agent runs in one process (--role both)"),
+        (a.unsync and a.mode != "co-train", "--unsync changes how S trains: it needs --mode co-train"),
         (a.loss_agg not in ("seq-mean", "token-mean"), "--loss-agg must be seq-mean or token-mean"),
         (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
         (min(a.steps, a.sft_steps, a.micro_batch) < 0, "--steps, --sft-steps, --micro-batch must be >= 0"),
         (min(a.questions_per_step, a.ppo_epochs, a.eval_questions) < 1,
          "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
+        (not all(x.strip() in ("1", "2") for x in a.sft_levels.split(",")) if a.sft_levels else False,
+         "--sft-levels must list levels 1 and/or 2, e.g. 1,2"),
         (a.main_max_turns < 2 or a.sub_max_turns < 2, "--main-max-turns and --sub-max-turns must be >= 2"),
         (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
@@ -307,31 +317,38 @@ def turn_action(agent, new, ended, tags):
     return toy_tools.parse_action(agent.tok.decode(new[:-1], skip_special_tokens=False), tags)
 
 
-def run_sub_agents(sub, tasks, questions, args, search, seed, greedy=False):
-    """S's multi-turn tool loop for a batch of sub-tasks, in lockstep: one generate per turn."""
-    trajs = [new_traj(sub.tok, t, task=t) for t in tasks]
-    active = list(range(len(tasks)))
-    for turn in range(args.sub_max_turns):
+def tool_loop(agent, prompts, questions, args, search, seed, greedy, tags, max_turns, name):
+    """A multi-turn search loop for a batch of prompts, in lockstep: one generate per turn.
+    Each turn is `<search> query </search>` (its results come back as a tool message,
+    mask 0) or `<tags[1]> result </tags[1]>`, which ends the loop."""
+    trajs = [new_traj(agent.tok, p, task=p) for p in prompts]
+    active = list(range(len(prompts)))
+    for turn in range(max_turns):
         if not active:
             break
-        outs = generate(sub, [trajs[j].ids for j in active], args.max_new_tokens,
-                        toy_tools.stable_seed(seed, "sub", turn), greedy)
+        outs = generate(agent, [trajs[j].ids for j in active], args.max_new_tokens,
+                        toy_tools.stable_seed(seed, name, turn), greedy)
         still = []
         for j, (new, lp, ended) in zip(active, outs):
             t = trajs[j]
             t.add(new, lp)
-            act = turn_action(sub, new, ended, toy_tools.SUB_TAGS)
-            if act is None or (act[0] == "search" and turn == args.sub_max_turns - 1):
+            act = turn_action(agent, new, ended, tags)
+            if act is None or (act[0] == "search" and turn == max_turns - 1):
                 continue  # invalid format, or out of turns: t.ok stays False
-            if act[0] == "return":
+            if act[0] == tags[1]:
                 t.result, t.ok = act[1], True
                 continue
             q = questions[j]
             obs = toy_tools.search_observation(search.search(act[1], q.seed, q.level))
-            t.add(render(sub.tok, "tool", obs))  # tool output: mask 0
+            t.add(render(agent.tok, "tool", obs))  # tool output: mask 0
             still.append(j)
         active = still
     return trajs
+
+
+def run_sub_agents(sub, tasks, questions, args, search, seed, greedy=False):
+    """S's multi-turn tool loop for a batch of sub-tasks; it returns one entity each."""
+    return tool_loop(sub, tasks, questions, args, search, seed, greedy, toy_tools.SUB_TAGS, args.sub_max_turns, "sub")
 
 
 def rollout(main, delegate, questions, K, args, seed, greedy=False):
@@ -372,6 +389,25 @@ def rollout(main, delegate, questions, K, args, seed, greedy=False):
                 mains[j].add(render(main.tok, "tool", s.result if s.ok else "none"))
         active = [j for j, _ in calls]
     return mains, subs
+
+
+def single_rollout(agent, questions, K, args, search, seed, greedy=False):
+    """The single-agent baseline (spec 8c): one model, one trajectory per rollout, searching
+    itself with S's tool and answering; every search result stays in its own context."""
+    qs = [q for q in questions for _ in range(K)]
+    trajs = tool_loop(agent, [q.text for q in qs], qs, args, search, seed, greedy,
+                      toy_tools.SINGLE_TAGS, args.main_max_turns, "single")
+    for j, t in enumerate(trajs):
+        t.q, t.k = divmod(j, K)
+    return trajs, []
+
+
+def system(main, delegate, args, search):
+    """play(questions, K, seed, greedy) -> (main trajs, sub trajs) for --mode: M with S
+    behind `delegate`, or the single agent alone."""
+    if args.mode == "single-agent":
+        return lambda qs, K, seed, greedy=False: single_rollout(main, qs, K, args, search, seed, greedy)
+    return lambda qs, K, seed, greedy=False: rollout(main, delegate, qs, K, args, seed, greedy)
 
 
 # =======================================================================================
@@ -577,14 +613,17 @@ def sub_step(sub, subs, exchange, questions, step, args):
     batch, r_sub, adv, stats = sub_side(subs, exchange, questions, args.group_size, args, rng)
     if args.unsync:
         (batch, adv), sub.pending = sub.pending or ([], None), (batch, adv)
+    if args.mode == "main-only":
+        batch = []  # S frozen (spec 8b): its rewards are still computed, to be logged
     up = update_agent(sub, batch, adv, args) if batch else {}
     rec = {"sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **stats,
            **{f"{k}_sub": up[k] for k in ("clip_frac", "approx_kl", "grad_norm") if k in up}}
     return rec, up
 
 
-def train_step(main, delegate, step, args, sub=None, store=None, phase=""):
-    """Rollout, M's side, and (when S lives in this process) S's side; the step's metrics.
+def train_step(main, play, step, args, sub=None, store=None, phase=""):
+    """Rollout (`play`, from `system`), M's side, and (when S lives in this process) S's
+    side; the step's metrics. In single-agent mode M's side is all there is: plain GRPO.
 
     With S in another process, M writes `exchange` to the store and S's process does the
     rest; M writes it before its own update so that both updates can run at once.
@@ -595,7 +634,7 @@ def train_step(main, delegate, step, args, sub=None, store=None, phase=""):
                  for _ in range(args.questions_per_step)]
     K = args.group_size
     seed = toy_tools.stable_seed(args.seed, "rollout", step)
-    mains, subs = rollout(main, delegate, questions, K, args, seed)
+    mains, subs = play(questions, K, seed)
     t_gen = time.perf_counter() - t0
 
     r_main, adv_main, exchange, m_stats = main_side(mains, questions, K, args)
@@ -739,7 +778,7 @@ def schedule(args):
         ph.append(("step", s, False))
         if args.eval_every and s % args.eval_every == 0 and s < args.steps:
             ph.append(("eval", s, False))
-    return ph + [("eval", args.steps, False), ("eval", args.steps, True)]
+    return ph + ([("eval", args.steps, False), ("eval", args.steps, True)] if args.steps else [])
 
 
 def local_delegate(sub, args, search):
@@ -808,9 +847,10 @@ def cold_start(agent, demo_fn, args, seed):
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(seed)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / args.sft_steps)))
+    levels = [int(x) for x in args.sft_levels.split(",")] if args.sft_levels else [args.level]
     for _ in range(args.sft_steps):
-        demos = [demo_fn(toy_tools.make_question(rng.randrange(2 ** 31), args.level), rng, args.demo_noise)
-                 for _ in range(args.sft_batch)]
+        demos = [demo_fn(toy_tools.make_question(rng.randrange(2 ** 31), levels[i % len(levels)]), rng,
+                         args.demo_noise) for i in range(args.sft_batch)]
         ids, attn, mask, _ = collate([encode_demo(agent.tok, d) for d in demos], agent.pad_id, agent.model.device)
         loss = -(token_logprobs(agent.model, ids, attn) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
@@ -828,12 +868,12 @@ def cold_start(agent, demo_fn, args, seed):
 EVAL_SEED = 2 ** 40  # question seeds at or above this are never used for training
 
 
-def evaluate(main, delegate, args, greedy=False, chunk=256):
+def evaluate(play, args, greedy=False, chunk=256):
     questions = [toy_tools.make_question(EVAL_SEED + i, args.level) for i in range(args.eval_questions)]
     ok = []
     for s in range(0, len(questions), chunk):
         qs = questions[s:s + chunk]
-        mains, _ = rollout(main, delegate, qs, 1, args, toy_tools.stable_seed("eval", s), greedy)
+        mains, _ = play(qs, 1, toy_tools.stable_seed("eval", s), greedy)
         ok += [m.ok and toy_tools.answer_correct(q, m.result) for m, q in zip(mains, qs)]
     return float(np.mean(ok))
 
@@ -888,7 +928,7 @@ def load_checkpoint(out, names, args):
 # =======================================================================================
 # The run: one process with both agents, or one role of two
 # =======================================================================================
-SHARED_ARGS = ("seed", "steps", "questions_per_step", "group_size", "max_sub", "level", "eval_every",
+SHARED_ARGS = ("seed", "steps", "mode", "questions_per_step", "group_size", "max_sub", "level", "eval_every",
                "eval_questions", "unsync", "w_sub")  # what the two roles must agree on
 
 
@@ -922,6 +962,8 @@ def main(argv=None):
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-seed{args.seed}{tag}")
     os.makedirs(out, exist_ok=True)
     names = {"both": ["main", "sub"], "main": ["main"], "sub": ["sub"]}[args.role]
+    if args.mode == "single-agent":
+        names = ["main"]  # the single agent takes the main agent's place (and folder)
     if args.role != "both" and args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # two roles share the cores
     store = FileStore(args.store, args.run_id, args.role, args.peer_timeout) if args.role != "both" else None
@@ -934,7 +976,7 @@ def main(argv=None):
 
 def run(args, out, names, store, t_start):
     search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(args.search)
-    if "sub" in names:
+    if "sub" in names or args.mode == "single-agent":
         search.search("ada", 0, 1)  # a server that is down fails here, clearly, before any training
     shared = json.loads(json.dumps({k: getattr(args, k) for k in SHARED_ARGS}))  # as the store holds it
     if store and args.role == "main":
@@ -972,12 +1014,13 @@ def run(args, out, names, store, t_start):
         open(os.path.join(out, "metrics.jsonl"), "w").close()
     n_params = {n: sum(p.numel() for p in a.model.parameters()) / 1e6 for n, a in agents.items()}
     print(f"M-GRPO | role {args.role} | " + ", ".join(f"{n} {p:.2f}M params" for n, p in n_params.items())
-          + f" | K={args.group_size} D={args.max_sub} level={args.level} device={args.device}"
+          + f" | {args.mode} K={args.group_size} D={args.max_sub} level={args.level} device={args.device}"
           + (" unsync" if args.unsync else "") + f" | out: {out}", flush=True)
 
     if not ckpt and args.sft_steps:
         t0 = time.time()
-        demos = {"main": toy_tools.main_demo, "sub": toy_tools.sub_demo}
+        demos = {"main": toy_tools.single_demo if args.mode == "single-agent" else toy_tools.main_demo,
+                 "sub": toy_tools.sub_demo}
         losses = {n: cold_start(a, demos[n], args, toy_tools.stable_seed(args.seed, "sft-" + n))
                   for n, a in agents.items()}
         print(f"cold start: {args.sft_steps} steps on noisy demos, final loss "
@@ -1014,14 +1057,15 @@ def run(args, out, names, store, t_start):
                     continue
                 phase = f"p{idx:06d}"
                 delegate = remote_delegate(store, phase) if store else local_delegate(sub_agent, args, search)
+                play = system(main_agent, delegate, args, search)
                 io0 = store.io_time if store else 0.0
                 if kind == "eval":
                     rec = {"step": step, "eval": "greedy" if greedy else "sampled",
-                           "eval_success": evaluate(main_agent, delegate, args, greedy)}
+                           "eval_success": evaluate(play, args, greedy)}
                     if store:
                         store.put(f"{phase}-done", {})
                 else:
-                    rec = train_step(main_agent, delegate, step, args, sub_agent, store, phase)
+                    rec = train_step(main_agent, play, step, args, sub_agent, store, phase)
                 if store:
                     rec["t_store"] = store.io_time - io0
                 finish_phase(idx, rec)
@@ -1035,7 +1079,7 @@ def run(args, out, names, store, t_start):
         rows = [json.loads(line) for line in f]
     steps = [r for r in rows if "eval" not in r]
     evals = {(r["step"], r["eval"]): r["eval_success"] for r in rows if "eval" in r}
-    summary = {"role": args.role, "steps": len(steps), "wall_time_s": round(time.time() - t_start, 1)}
+    summary = {"role": args.role, "mode": args.mode, "level": args.level, "steps": len(steps), "wall_time_s": round(time.time() - t_start, 1)}
     if store:
         t_step = sum(r["t_step"] for r in steps)
         summary["store_share_of_step_time"] = sum(r.get("t_store", 0.0) for r in steps) / max(t_step, 1e-9)
@@ -1046,8 +1090,9 @@ def run(args, out, names, store, t_start):
                        eval_success_end=evals[(args.steps, "sampled")],
                        eval_greedy_success_end=evals[(args.steps, "greedy")],
                        d_k_histogram=hist, D_in_use=args.max_sub, D_paper_rule=paper_D(all_d))
-        print(f"d_k over all rollouts: {hist}; the paper's rule P(d_k <= D) >= 0.99 picks "
-              f"D = {summary['D_paper_rule']} (in use: D = {args.max_sub})")
+        if args.mode != "single-agent":
+            print(f"d_k over all rollouts: {hist}; the paper's rule P(d_k <= D) >= 0.99 picks "
+                  f"D = {summary['D_paper_rule']} (in use: D = {args.max_sub})")
         print(f"eval after RL: sampled success {summary['eval_success_end']:.3f} "
               f"(before {summary['eval_success_start']:.3f}), greedy {summary['eval_greedy_success_end']:.3f}")
     if store:

@@ -5,12 +5,19 @@ question's seed, so nothing can be memorised: to answer "country of ada ?" the
 agents must look up where ada lives and then which country that city is in, and
 read the answers off what the search tool returns.
 
-    level 1 (stage 1, easy):  "country of X ?"            2 hops, 3 snippets per search
-    level 2 (stage 2, hard):  "country of friend of X ?"  3 hops, 5 snippets per search
+    level 1 (stage 1, easy):  "country of X ?"            2 hops, 3 short clean snippets per search
+    level 2 (stage 2, hard):  "country of friend of X ?"  3 hops, 8 snippets, most of them noise
 
 Facts read "ada lives avon", "avon in norland", "ada friend bo". A sub-task,
 written by the main agent, reads "city of ada", "country of avon" or
-"friend of ada"; the sub-agent searches and returns one entity.
+"friend of ada"; the sub-agent searches and returns one entity. Level 2 is
+deep research in miniature: a search matches the entity anywhere in a fact
+(so "avon" also finds "bo lives avon"), and the list is long, so the fact
+asked for must be read out of much noise. The
+sub-agent reads each list and hands back one word; an agent that searches
+for itself keeps every list in its own context. The sub-agent reads it
+and hands back one word; an agent that searches for itself keeps every list
+in its own context.
 
 The search tool runs in-process (`ToySearch`) or as an HTTP server on
 127.0.0.1 (`python toy_tools.py serve --port 8765`, client `HttpSearch`).
@@ -39,7 +46,8 @@ COUNTRIES = "norland sudia westia eastia midia".split()
 RELATIONS = {"city": ("lives", PERSONS, CITIES),
              "country": ("in", CITIES, COUNTRIES),
              "friend": ("friend", PERSONS, PERSONS)}
-N_SNIPPETS = {1: 3, 2: 5}
+N_SNIPPETS = {1: 3, 2: 8}
+N_MENTIONS = 3  # level 2: at most this many facts that name the entity as their value
 
 # Every word the toy agents can read or write: the word-level vocabulary.
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -108,6 +116,11 @@ def make_question(seed, level):
     return Question(seed, level, f"country of friend of {x} ?", kb[("country", kb[("city", y)])])
 
 
+def chain(level):
+    """The relations a question of this level asks for, in order."""
+    return ["city", "country"] if level == 1 else ["friend", "city", "country"]
+
+
 def stable_seed(*parts):
     """A seed from parts such as (seed, step, role, turn), the same in every process.
 
@@ -120,16 +133,21 @@ def search_results(seed, level, query):
     """The search engine: facts about the entities named in `query`, among distractors."""
     kb = knowledge_base(seed, level)
     words = set(query.split())
-    hits = [k for k in kb if k[1] in words][:N_SNIPPETS[level]]
-    need = N_SNIPPETS[level] - len(hits)
-    others = [k for k in kb if k[1] not in words]
-    if level == 1:
-        # "clean" results: distractors share no relation with a hit, so reading means finding
-        # the right relation; at level 2 it means matching the entity too.
-        clean = [k for k in others if k[0] not in {h[0] for h in hits}]
-        others = clean if len(clean) >= need else others
+    n = N_SNIPPETS[level]
+    hits = [k for k in kb if k[1] in words][:n]
     rng = random.Random(stable_seed(seed, level, query))
-    keys = hits + rng.sample(others, need)
+    own = {h[0] for h in hits}  # relations of the facts about the entity
+    if level == 2:
+        # full-text match: facts that name the entity as their value come up too ("bo lives
+        # avon" for "avon"), those of another relation than the entity's own facts
+        mentions = [k for k in kb if k[1] not in words and kb[k] in words and k[0] not in own]
+        hits += rng.sample(mentions, min(len(mentions), N_MENTIONS, n - len(hits)))
+    # the rest are distractors that share no relation with a fact about the entity, so a
+    # reader finds the asked fact by its relation: it is the only one of its kind
+    others = [k for k in kb if k not in hits]
+    clean = [k for k in others if k[0] not in own]
+    others = clean if len(clean) >= n - len(hits) else others
+    keys = hits + rng.sample(others, n - len(hits))
     rng.shuffle(keys)
     return [{"url": f"toy://kb/{seed}/{rel}/{subj}", "title": subj,
              "content": fact_text(rel, subj, kb[(rel, subj)])} for rel, subj in keys]
@@ -201,6 +219,7 @@ def make_server(port=0):
 # ---------------------------------------------------------------------------------------
 _ACTION = re.compile(r"^\s*(?:<think>.*?</think>)?\s*<(call|answer|search|return)>(.*?)</\1>\s*$", re.S)
 MAIN_TAGS, SUB_TAGS = ("call", "answer"), ("search", "return")
+SINGLE_TAGS = ("search", "answer")  # the single-agent baseline searches itself
 
 
 def parse_action(text, allowed):
@@ -254,8 +273,7 @@ def main_demo(q, rng, p):
     kb = knowledge_base(q.seed, q.level)
     x = q.text.split()[-2]
     msgs = [{"role": "user", "content": q.text}]
-    chain = ["friend", "city", "country"] if q.level == 2 else ["city", "country"]
-    for rel in chain:
+    for rel in chain(q.level):
         x = _noisy(rng, x, RELATIONS[rel][1], p)
         msgs.append({"role": "assistant", "content": f"<call> {rel} of {x} </call>"})
         x = kb[(rel, x)]
@@ -267,7 +285,7 @@ def main_demo(q, rng, p):
 def sub_demo(q, rng, p):
     """A scripted sub-agent conversation: one search, then return the value read off it."""
     kb = knowledge_base(q.seed, q.level)
-    rel = rng.choice(["city", "country"] + (["friend"] if q.level >= 2 else []))
+    rel = rng.choice(chain(q.level))
     _, subjects, values = RELATIONS[rel]
     e = rng.choice(subjects)
     query = _noisy(rng, e, subjects, p)
@@ -278,6 +296,21 @@ def sub_demo(q, rng, p):
             {"role": "assistant", "content": f"<search> {query} </search>"},
             {"role": "tool", "content": obs},
             {"role": "assistant", "content": f"<return> {_noisy(rng, value, values, p)} </return>"}]
+
+
+def single_demo(q, rng, p):
+    """The single agent's scripted demo: the main agent's chain with the searches inlined,
+    entity slots corrupted w.p. p; it reads every search result in its own context."""
+    kb = knowledge_base(q.seed, q.level)
+    x = q.text.split()[-2]
+    msgs = [{"role": "user", "content": q.text}]
+    for rel in chain(q.level):
+        x = _noisy(rng, x, RELATIONS[rel][1], p)
+        msgs.append({"role": "assistant", "content": f"<search> {x} </search>"})
+        msgs.append({"role": "tool", "content": search_observation(search_results(q.seed, q.level, x))})
+        x = kb[(rel, x)]
+    msgs.append({"role": "assistant", "content": f"<answer> {_noisy(rng, x, COUNTRIES, p)} </answer>"})
+    return msgs
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def test_untrained_models_run_a_whole_step(args, agents):
     main, sub = (copy.deepcopy(a) for a in agents)
     a = copy.deepcopy(args)
     a.questions_per_step, a.group_size = 2, 4
-    rec = mgrpo.train_step(main, mgrpo.local_delegate(sub, a, toy_tools.ToySearch()), 1, a, sub)
+    search = toy_tools.ToySearch()
+    rec = mgrpo.train_step(main, mgrpo.system(main, mgrpo.local_delegate(sub, a, search), a, search), 1, a, sub)
     assert rec["main_reward"] == 0.0 and rec["zero_var_main"] == 1.0
     assert rec["success"] == 0.0
 

@@ -41,6 +41,23 @@ def test_search_returns_the_fact_among_distractors():
     assert tt.search_results(5, 1, "nobody")  # unknown entity: distractors only, no crash
 
 
+def test_level_2_results_are_long_and_noisy():
+    """Level 2: eight snippets; the fact asked for is the only one of its relation about
+    its entity, among facts that name the entity as a value and facts about others."""
+    mentions = 0
+    for seed in range(30):
+        kb = tt.knowledge_base(seed, 2)
+        x = tt.make_question(seed, 2).text.split()[-2]
+        y = kb[("friend", x)]
+        for rel, entity in (("friend", x), ("city", y), ("country", kb[("city", y)])):
+            res = [r["content"] for r in tt.search_results(seed, 2, entity)]
+            assert len(res) == tt.N_SNIPPETS[2] > tt.N_SNIPPETS[1]
+            word = tt.RELATIONS[rel][0]
+            assert [c for c in res if c.split()[:2] == [entity, word]] == [tt.fact_text(rel, entity, kb[(rel, entity)])]
+            mentions += sum(c.split()[-1] == entity for c in res)
+    assert mentions > 20  # "bo lives avon" comes up when searching "avon"
+
+
 def test_in_process_and_http_agree(server_url):
     local, http = tt.ToySearch(), tt.HttpSearch(server_url)
     for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 1, "avon"), (4, 2, "city of ada"), (5, 1, "???")]:

@@ -1,6 +1,7 @@
 """End to end: the command line, its outputs, reproducibility, and a run that learns."""
 import json
 import os
+import random
 import threading
 
 import pytest
@@ -56,6 +57,43 @@ def test_bad_arguments_fail_clearly(capsys):
         mgrpo.parse_args(["--loss-agg", "sum", "--level", "5"])
     err = capsys.readouterr().err
     assert "--loss-agg" in err and "--level" in err
+    for argv, msg in [(["--mode", "solo"], "--mode must be"),
+                      (["--mode", "single-agent", "--role", "main", "--store", "s"], "runs in one process"),
+                      (["--mode", "main-only", "--unsync"], "--unsync changes how S trains"),
+                      (["--sft-levels", "1,3"], "--sft-levels must list")]:
+        with pytest.raises(SystemExit):
+            mgrpo.parse_args(argv)
+        assert msg in capsys.readouterr().err
+
+
+def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_dir):
+    """The single-agent baseline searches for itself: each search's eight level-2 snippets
+    enter its own context with mask 0 (the cold-started sub-agent stands in: it searches)."""
+    args = mgrpo.parse_args(["--mode", "single-agent", "--level", "2", "--sft-steps", "0"])
+    agent = mgrpo.load_agent(cold_start_dir["sub"], args, seed=0)
+    qs = [toy_tools.make_question(s, 2) for s in range(4)]
+    trajs, subs = mgrpo.system(agent, None, args, toy_tools.ToySearch())(qs, 2, 0)
+    assert subs == [] and [(t.q, t.k) for t in trajs] == [(q, k) for q in range(4) for k in range(2)]
+    searched = 0
+    for t in trajs:
+        assert len(t.ids) == len(t.mask) == len(t.logp)
+        assert all(lp == 0.0 for lp, m in zip(t.logp, t.mask) if not m)
+        inserted = agent.tok.decode([i for i, m in zip(t.ids, t.mask) if not m]).split()
+        n_tool = inserted.count("<tool>")
+        assert inserted.count(";") == 7 * n_tool  # every result whole, none of it trained on
+        searched += n_tool
+    assert searched >= len(trajs)
+
+
+def test_main_context_stays_short_single_agent_context_grows():
+    """What delegation buys at level 2: M reads one word per sub-task; a single agent
+    reads every result list (scripted demos, so the count is exact)."""
+    tok = toy_tools.toy_tokenizer()
+    q = toy_tools.make_question(9, 2)
+    rng = random.Random(0)
+    main_len = len(mgrpo.encode_demo(tok, toy_tools.main_demo(q, rng, 0.0)).ids)
+    single_len = len(mgrpo.encode_demo(tok, toy_tools.single_demo(q, rng, 0.0)).ids)
+    assert single_len > 3 * main_len, (main_len, single_len)
 
 
 def test_same_seed_same_run_and_http_search_agrees(tmp_path):

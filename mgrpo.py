@@ -27,6 +27,10 @@ short supervised cold start on noisy scripted demos stands in for the paper's st
 (format learning) before M-GRPO starts. `--main-model` / `--sub-model` take a Hugging
 Face name or path instead.
 
+The paper's baselines are modes of the same loop: `--mode main-only` freezes S, `--mode
+single-agent` replaces M and S by one model that searches for itself; scripts/compare.py
+runs them (and `--unsync`) in stage 2 of the paper's two-stage curriculum.
+
     python mgrpo.py              # CPU demo: cold start, then M-GRPO on the toy task
     python mgrpo.py --help
 """

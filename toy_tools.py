@@ -13,11 +13,9 @@ written by the main agent, reads "city of ada", "country of avon" or
 "friend of ada"; the sub-agent searches and returns one entity. Level 2 is
 deep research in miniature: a search matches the entity anywhere in a fact
 (so "avon" also finds "bo lives avon"), and the list is long, so the fact
-asked for must be read out of much noise. The
-sub-agent reads each list and hands back one word; an agent that searches
-for itself keeps every list in its own context. The sub-agent reads it
-and hands back one word; an agent that searches for itself keeps every list
-in its own context.
+asked for must be read out of much noise. The sub-agent reads each list and
+hands back one word; an agent that searches for itself keeps every list in
+its own context.
 
 The search tool runs in-process (`ToySearch`) or as an HTTP server on
 127.0.0.1 (`python toy_tools.py serve --port 8765`, client `HttpSearch`).
@@ -144,7 +142,7 @@ def search_results(seed, level, query):
         hits += rng.sample(mentions, min(len(mentions), N_MENTIONS, n - len(hits)))
     # the rest are distractors that share no relation with a fact about the entity, so a
     # reader finds the asked fact by its relation: it is the only one of its kind
-    others = [k for k in kb if k not in hits]
+    others = [k for k in kb if k[1] not in words and k not in hits]
     clean = [k for k in others if k[0] not in own]
     others = clean if len(clean) >= n - len(hits) else others
     keys = hits + rng.sample(others, n - len(hits))
@@ -264,22 +262,29 @@ def _noisy(rng, value, pool, p):
     return rng.choice(pool) if rng.random() < p else value
 
 
-def main_demo(q, rng, p):
+def main_demo(q, rng, p, single=False):
     """A scripted main-agent conversation (messages) with entity slots corrupted w.p. p.
 
     The tool results are what a perfect sub-agent would return for the (maybe wrong)
     sub-task, so the demo also teaches the main agent to carry a result forward.
+    single=True: the single agent's demo, the same chain with the searches inlined; it
+    reads every whole result list in its own context.
     """
     kb = knowledge_base(q.seed, q.level)
     x = q.text.split()[-2]
     msgs = [{"role": "user", "content": q.text}]
     for rel in chain(q.level):
         x = _noisy(rng, x, RELATIONS[rel][1], p)
-        msgs.append({"role": "assistant", "content": f"<call> {rel} of {x} </call>"})
+        act = f"<search> {x} </search>" if single else f"<call> {rel} of {x} </call>"
+        obs = search_observation(search_results(q.seed, q.level, x)) if single else kb[(rel, x)]
+        msgs += [{"role": "assistant", "content": act}, {"role": "tool", "content": obs}]
         x = kb[(rel, x)]
-        msgs.append({"role": "tool", "content": x})
     msgs.append({"role": "assistant", "content": f"<answer> {_noisy(rng, x, COUNTRIES, p)} </answer>"})
     return msgs
+
+
+def single_demo(q, rng, p):
+    return main_demo(q, rng, p, single=True)
 
 
 def sub_demo(q, rng, p):
@@ -296,21 +301,6 @@ def sub_demo(q, rng, p):
             {"role": "assistant", "content": f"<search> {query} </search>"},
             {"role": "tool", "content": obs},
             {"role": "assistant", "content": f"<return> {_noisy(rng, value, values, p)} </return>"}]
-
-
-def single_demo(q, rng, p):
-    """The single agent's scripted demo: the main agent's chain with the searches inlined,
-    entity slots corrupted w.p. p; it reads every search result in its own context."""
-    kb = knowledge_base(q.seed, q.level)
-    x = q.text.split()[-2]
-    msgs = [{"role": "user", "content": q.text}]
-    for rel in chain(q.level):
-        x = _noisy(rng, x, RELATIONS[rel][1], p)
-        msgs.append({"role": "assistant", "content": f"<search> {x} </search>"})
-        msgs.append({"role": "tool", "content": search_observation(search_results(q.seed, q.level, x))})
-        x = kb[(rel, x)]
-    msgs.append({"role": "assistant", "content": f"<answer> {_noisy(rng, x, COUNTRIES, p)} </answer>"})
-    return msgs
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def parse(argv=None):
                    help="a very short version (tiny budgets, 2 seeds): checks the pipeline, shows nothing")
     a = p.parse_args(argv)
     if a.quick:
-        a.seeds, a.sft_steps, a.stage1_steps, a.stage2_steps = a.seeds[:2], 20, 2, 4
+        a.seeds, a.sft_steps, a.stage1_steps, a.stage2_steps = a.seeds[:2], 150, 2, 4
         a.eval_every, a.eval_questions = 2, 16
     if min(a.sft_steps, a.stage1_steps) < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1:
         p.error("step counts must be >= 0, and --stage2-steps, --eval-every, --eval-questions, --jobs >= 1")
@@ -160,8 +160,11 @@ def main(argv=None):
 
     print(f"comparison -> {out}\nevery run: python mgrpo.py <options> --out <folder>; mgrpo.py's defaults "
           f"for everything not listed (saved in each run's args.json)", flush=True)
+    def show(argv):  # the folders as <out>/..., so results.md reads the same on any machine
+        return " ".join(argv).replace(out, "<out>")
+
     for name, argv in {**jobs, **{k: v[1] for k, v in plan.items()}}.items():
-        print(f"  {name}: {' '.join(argv)}")
+        print(f"  {name}: {show(argv)}")
     print(f"stage 1: {len(jobs)} runs; stage 2: {len(plan)} runs; {a.jobs} at a time", flush=True)
     def after(stage1_job, name, argv):
         stage1_job.result()  # raises if stage 1 failed
@@ -201,10 +204,10 @@ def main(argv=None):
         + ", ".join(f"{arm} {g:.3f}" for arm, g in greedy.items()) + ".", "",
         f"Stage 1 (shared by every arm and seed): {s1_line}.", "",
         "![curves](curves.png)" if has_png else "(no plot: matplotlib is not installed)", "",
-        "## Commands", "", "Each run is `python mgrpo.py <options>`; all other settings are mgrpo.py's defaults "
-        "and every run's full settings are in its `args.json`.", "",
-        *[f"- `{name}`: `{' '.join(argv)}`" for name, argv in jobs.items()],
-        *[f"- `{name}`: `{' '.join(argv)}`" for name, (_, argv) in plan.items()], ""])
+        "## Commands", "", "Each run is `python mgrpo.py <options>`, `<out>` the folder of this comparison; all "
+        "other settings are mgrpo.py's defaults, and every run's full settings are in its `args.json`.", "",
+        *[f"- `{name}`: `{show(argv)} --out <out>/{name}`" for name, argv in jobs.items()],
+        *[f"- `{name}`: `{show(argv)} --out <out>/{name}`" for name, (_, argv) in plan.items()], ""])
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(md)
     print("\n" + table(curves, a.arms, a.threshold))

@@ -17,7 +17,8 @@ What the algorithm really is, per training step:
   5. A_S = z-score of R_S over the D*K aligned sub-trajectories of a question (eq. 12-13).
   6. Each agent takes its own clipped policy-gradient step (eq. 14-19): token-level
      ratio, asymmetric clip, no KL, no entropy bonus. With one epoch per batch (the
-     default) the ratio is 1 and this is REINFORCE with a per-agent group baseline.
+     default) the ratio is 1 and this is REINFORCE with a per-agent group baseline
+     (except S under --unsync, whose batch is one update old).
   7. M's side passes S's side only a few statistics per rollout (spec 7); no gradient
      and no tensor crosses between the agents.
 
@@ -70,7 +71,8 @@ class Args:
     max_sub: int = 2
     """D: aligned sub-trajectories per rollout (eq. 11); the paper picks P(d_k <= D) ~ 0.99"""
     level: int = 1
-    """toy task level: 1 = 3 short clean snippets per search (stage 1); 2 = 8 long noisy ones (stage 2)"""
+    """toy task level: 1 = 2 hops, 3 short clean snippets per search (stage 1); 2 = 3 hops,
+    8 snippets per search, most of them noise (stage 2)"""
     mode: str = "co-train"
     """co-train: M-GRPO, both agents train; main-only: S stays frozen as loaded or cold-started,
     M trains (GRPO); single-agent: one model searches for itself and answers (GRPO), no S"""
@@ -173,7 +175,7 @@ def parse_args(argv=None):
         (min(a.steps, a.sft_steps, a.micro_batch) < 0, "--steps, --sft-steps, --micro-batch must be >= 0"),
         (min(a.questions_per_step, a.ppo_epochs, a.eval_questions) < 1,
          "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
-        (not all(x.strip() in ("1", "2") for x in a.sft_levels.split(",")) if a.sft_levels else False,
+        (bool(a.sft_levels) and not set(a.sft_levels.split(",")) <= {"1", "2"},
          "--sft-levels must list levels 1 and/or 2, e.g. 1,2"),
         (a.main_max_turns < 2 or a.sub_max_turns < 2, "--main-max-turns and --sub-max-turns must be >= 2"),
         (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
@@ -1083,7 +1085,8 @@ def run(args, out, names, store, t_start):
         rows = [json.loads(line) for line in f]
     steps = [r for r in rows if "eval" not in r]
     evals = {(r["step"], r["eval"]): r["eval_success"] for r in rows if "eval" in r}
-    summary = {"role": args.role, "mode": args.mode, "level": args.level, "steps": len(steps), "wall_time_s": round(time.time() - t_start, 1)}
+    summary = {"role": args.role, "mode": args.mode, "level": args.level, "steps": len(steps),
+               "wall_time_s": round(time.time() - t_start, 1)}
     if store:
         t_step = sum(r["t_step"] for r in steps)
         summary["store_share_of_step_time"] = sum(r.get("t_store", 0.0) for r in steps) / max(t_step, 1e-9)

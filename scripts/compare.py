@@ -75,6 +75,7 @@ def run(name, argv, out):
     os.makedirs(folder, exist_ok=True)
     cmd = [sys.executable, os.path.join(ROOT, "mgrpo.py"), *argv, "--out", folder]
     t0 = time.time()
+    print(f"  start {name} (log: {os.path.join(folder, 'log.txt')})", flush=True)
     with open(os.path.join(folder, "log.txt"), "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                              env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})

@@ -492,6 +492,10 @@ def token_logprobs(model, ids, attn):
 def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, agg="seq-mean"):
     """Negated clipped surrogate, eq. 14-19, for one agent. Returns (loss, stats).
 
+    The spec gives M's objective and S's as one block, eq. 14-19 (eq. 14, eq. 15, eq. 16,
+    eq. 17, eq. 18, eq. 19): they differ only in the batch, M's K rollouts per query or
+    S's D*K aligned sub-trajectories, so this one function computes each of them.
+
     logp, old_logp, mask: [B, T]; advantages: [B], one per sequence, broadcast to its tokens.
     Token-level ratio exp(logp - old_logp) with the clip range [1 - eps_low, 1 + eps_high],
     as the authors ran it (the paper writes a sequence-level ratio). Only mask-1 tokens count.
@@ -502,7 +506,7 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     log_ratio = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
     ratio = log_ratio.exp()
     a = advantages.to(logp.dtype)[:, None]
-    surr = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+    surr = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # min(rho A, clip(rho) A)
     per_tok = -surr * m
     if agg == "seq-mean":
         loss = (per_tok.sum(1) / m.sum(1).clamp(min=1)).mean()

@@ -14,6 +14,7 @@ Stage 2: every arm, --stage2-steps at level 2 (long, noisy search results), per 
 
     python scripts/compare.py              # 4 arms x 3 seeds
     python scripts/compare.py --quick      # a very short version, to check the pipeline
+    python scripts/compare.py --out DIR --resume   # continue one that was interrupted
 
 Writes <out>/results.md (settings, commands, table), <out>/curves.csv (every evaluation),
 <out>/curves.png if matplotlib is installed (optional: pip install matplotlib), and one
@@ -58,9 +59,14 @@ def parse(argv=None):
                    help="runs at once, each with one thread (tiny models do not gain from more)")
     p.add_argument("--extra", default="", help="more mgrpo.py options for every run, e.g. '--model-size 1M'")
     p.add_argument("--out", default="", help="output folder; empty: runs/compare-<time>")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted comparison in --out: finished runs are reused, "
+                        "cut-off ones continue from their last checkpoint")
     p.add_argument("--quick", action="store_true",
                    help="a very short version (tiny budgets, 2 seeds): checks the pipeline, shows nothing")
     a = p.parse_args(argv)
+    if a.resume and not a.out:
+        p.error("--resume needs the --out of the comparison to continue")
     if a.quick:
         a.seeds, a.sft_steps, a.stage1_steps, a.stage2_steps = a.seeds[:2], 150, 2, 4
         a.eval_every, a.eval_questions = 2, 16
@@ -69,21 +75,37 @@ def parse(argv=None):
     return a
 
 
-def run(name, argv, out):
-    """One mgrpo.py run in its own process with one thread; returns its summary."""
+def run(name, argv, out, resume=False):
+    """One mgrpo.py run in its own process with one thread; returns its summary.
+
+    resume: a run that finished with the same options is reused, one that was cut off
+    continues from its last checkpoint (mgrpo.py --resume)."""
     folder = os.path.join(out, name)
     os.makedirs(folder, exist_ok=True)
-    cmd = [sys.executable, os.path.join(ROOT, "mgrpo.py"), *argv, "--out", folder]
+    cmd_file, summary_file = os.path.join(folder, "options.json"), os.path.join(folder, "summary.json")
+    if resume and os.path.exists(cmd_file):
+        with open(cmd_file) as f:
+            old = json.load(f)
+        if old != argv:
+            raise RuntimeError(f"{folder} holds a run with other options ({' '.join(old)}); use another --out")
+        if os.path.exists(summary_file):
+            print(f"  reused {name} (finished before)", flush=True)
+            with open(summary_file) as f:
+                return json.load(f)
+    else:
+        with open(cmd_file, "w") as f:
+            json.dump(argv, f)
+    cmd = [sys.executable, os.path.join(ROOT, "mgrpo.py"), *argv, "--out", folder] + (["--resume"] if resume else [])
     t0 = time.time()
     print(f"  start {name} (log: {os.path.join(folder, 'log.txt')})", flush=True)
-    with open(os.path.join(folder, "log.txt"), "w") as log:
+    with open(os.path.join(folder, "log.txt"), "a" if resume else "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                              env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     if rc != 0:
         with open(os.path.join(folder, "log.txt")) as f:
             tail = "".join(f.readlines()[-15:])
         raise RuntimeError(f"run {name} failed (exit {rc}); last lines of {folder}/log.txt:\n{tail}")
-    with open(os.path.join(folder, "summary.json")) as f:
+    with open(summary_file) as f:
         s = json.load(f)
     print(f"  done {name:28s} success {s['eval_success_start']:.3f} -> {s['eval_success_end']:.3f} "
           f"({time.time() - t0:.0f}s)", flush=True)
@@ -169,12 +191,12 @@ def main(argv=None):
     print(f"stage 1: {len(jobs)} runs; stage 2: {len(plan)} runs; {a.jobs} at a time", flush=True)
     def after(stage1_job, name, argv):
         stage1_job.result()  # raises if stage 1 failed
-        return run(name, argv, out)
+        return run(name, argv, out, a.resume)
 
     with ThreadPoolExecutor(a.jobs) as pool:
         # a stage-2 run starts as soon as its own stage 1 is done and a slot is free; the
         # queue holds each stage 1 before the runs that wait for it, so none waits forever
-        s1_jobs = {name: pool.submit(run, name, argv, out) for name, argv in jobs.items()}
+        s1_jobs = {name: pool.submit(run, name, argv, out, a.resume) for name, argv in jobs.items()}
         s2_jobs = [pool.submit(after, s1_jobs["stage1-single" if arm == "single-agent" else "stage1-system"],
                                name, argv) for name, (arm, argv) in plan.items()]
         s1 = {name: f.result() for name, f in s1_jobs.items()}

@@ -18,9 +18,14 @@ def same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_quick_comparison_end_to_end(tmp_path):
+def test_quick_comparison_end_to_end(tmp_path, capsys):
     out = tmp_path / "cmp"
-    compare.main(["--quick", "--out", str(out)])
+    first = compare.main(["--quick", "--out", str(out)])
+    # --resume reuses every finished run and reports the same curves
+    capsys.readouterr()
+    assert compare.main(["--quick", "--out", str(out), "--resume"]) == first
+    printed = capsys.readouterr().out
+    assert printed.count("reused ") == 2 + len(compare.ARMS) * 2 and "start " not in printed
     md = (out / "results.md").read_text()
     for arm in compare.ARMS:
         assert f"| {arm} |" in md

@@ -85,7 +85,12 @@ class Args:
     device: str = "cpu"
     """torch device for both agents, e.g. cpu, cuda, cuda:1"""
     search: str = "toy"
-    """search tool: 'toy' (in-process) or the URL of a toy search server (python toy_tools.py serve)"""
+    """search tool: 'toy' (in-process) or the URL of a server speaking SearXNG's JSON API, such as
+    the toy server (python toy_tools.py serve)"""
+    search_timeout: float = 10.0
+    """seconds per search request"""
+    search_retries: int = 2
+    """retries of a search request that timed out, failed to connect or got a 5xx answer"""
     out: str = ""
     """output folder; empty: runs/<time>-seed<seed>"""
     sft_steps: int = 1200
@@ -182,6 +187,7 @@ def parse_args(argv=None):
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
         (a.resume and not a.out, "--resume needs the --out of the run to continue"),
         (a.save_every < 1 or a.peer_timeout <= 0, "--save-every must be >= 1 and --peer-timeout > 0"),
+        (a.search_timeout <= 0 or a.search_retries < 0, "--search-timeout must be > 0, --search-retries >= 0"),
     ] if bad]
     if errors:
         p.error("; ".join(errors))
@@ -345,7 +351,10 @@ def tool_loop(agent, prompts, questions, args, search, seed, greedy, tags, max_t
                 t.result, t.ok = act[1], True
                 continue
             q = questions[j]
-            obs = toy_tools.search_observation(search.search(act[1], q.seed, q.level))
+            try:
+                obs = toy_tools.search_observation(search.search(act[1], q.seed, q.level))
+            except toy_tools.SearchError as e:
+                obs = f"error: {e}"  # a failed search is an observation, not the end of the run
             t.add(render(agent.tok, "tool", obs))  # tool output: mask 0
             still.append(j)
         active = still
@@ -985,7 +994,8 @@ def main(argv=None):
 
 
 def run(args, out, names, store, t_start):
-    search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(args.search)
+    search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(
+        args.search, args.search_timeout, args.search_retries)
     if "sub" in names or args.mode == "single-agent":
         search.search("ada", 0, 1)  # a server that is down fails here, clearly, before any training
     shared = json.loads(json.dumps({k: getattr(args, k) for k in SHARED_ARGS}))  # as the store holds it

@@ -31,6 +31,7 @@ import argparse
 import json
 import random
 import re
+import time
 import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -158,23 +159,47 @@ class ToySearch:
         return search_results(seed, level, query)
 
 
-class HttpSearch:
-    """Client of the toy search server (or any server speaking the protocol above)."""
+class SearchError(RuntimeError):
+    """The search backend failed (after its retries)."""
 
-    def __init__(self, url, timeout=10.0):
-        self.url, self.timeout = url.rstrip("/"), timeout
+
+class HttpSearch:
+    """Client of any server that speaks SearXNG's JSON API, as the toy server does.
+
+    Each request has a timeout; connection errors, timeouts and 5xx answers are retried
+    `retries` times, waiting backoff, 2 * backoff, ... in between; a 4xx is not retried.
+    What still fails raises SearchError: at start-up that stops the run with a message,
+    during a rollout the agent reads it as the search's result (see `tool_loop`).
+    """
+
+    def __init__(self, url, timeout=10.0, retries=2, backoff=0.5):
+        self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), timeout, retries, backoff
 
     def search(self, query, seed, level):
         import requests
-        try:
-            r = requests.get(f"{self.url}/search", timeout=self.timeout,
-                             params={"q": query, "format": "json", "kb": seed, "level": level})
-        except requests.exceptions.RequestException as e:
-            raise RuntimeError(f"search server {self.url} is not reachable ({type(e).__name__}); "
-                               f"start one with: python toy_tools.py serve --port PORT") from e
+        params = {"q": query, "format": "json", "kb": seed, "level": level}  # a real server ignores kb, level
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                r = requests.get(f"{self.url}/search", timeout=self.timeout, params=params)
+            except requests.exceptions.RequestException as e:
+                why = (f"is not reachable ({type(e).__name__}); start one with: "
+                       f"python toy_tools.py serve --port PORT")
+                continue
+            if r.status_code < 500:
+                break
+            why = f"answered {r.status_code}: {r.text[:200]}"
+        else:
+            raise SearchError(f"search server {self.url} {why} (after {self.retries + 1} tries)")
         if r.status_code != 200:
-            raise RuntimeError(f"search server {self.url} answered {r.status_code}: {r.text[:200]}")
-        return r.json()["results"]
+            raise SearchError(f"search server {self.url} answered {r.status_code}: {r.text[:200]}")
+        try:
+            results = r.json()["results"]
+            return [{"url": x.get("url", ""), "title": x.get("title", ""), "content": x.get("content") or ""}
+                    for x in results]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SearchError(f"search server {self.url} sent no SearXNG-style results: {r.text[:200]}") from e
 
 
 def search_observation(results):

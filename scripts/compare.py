@@ -183,12 +183,14 @@ def main(argv=None):
 
     print(f"comparison -> {out}\nevery run: python mgrpo.py <options> --out <folder>; mgrpo.py's defaults "
           f"for everything not listed (saved in each run's args.json)", flush=True)
+
     def show(argv):  # the folders as <out>/..., so results.md reads the same on any machine
         return " ".join(argv).replace(out, "<out>")
 
     for name, argv in {**jobs, **{k: v[1] for k, v in plan.items()}}.items():
         print(f"  {name}: {show(argv)}")
     print(f"stage 1: {len(jobs)} runs; stage 2: {len(plan)} runs; {a.jobs} at a time", flush=True)
+
     def after(stage1_job, name, argv):
         stage1_job.result()  # raises if stage 1 failed
         return run(name, argv, out, a.resume)
@@ -215,7 +217,7 @@ def main(argv=None):
     has_png = plot(curves, a.arms, os.path.join(out, "curves.png"), title)
     s1_line = ", ".join(f"{k}: success at level 1 {v['eval_success_start']:.3f} -> {v['eval_success_end']:.3f}"
                         for k, v in s1.items())
-    greedy = {arm: np.mean([r["eval_greedy_success_end"] for (n, (ar, _)), r in zip(plan.items(), pool_results)
+    greedy = {arm: np.mean([r["eval_greedy_success_end"] for (ar, _), r in zip(plan.values(), pool_results)
                             if ar == arm]) for arm in a.arms}
     md = "\n".join([
         f"# Comparison: {', '.join(a.arms)}", "",

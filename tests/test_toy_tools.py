@@ -1,6 +1,9 @@
 """The toy task: fresh worlds, the search tool in-process and over HTTP, reward checkers."""
+import json
 import random
 import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -72,6 +75,68 @@ def test_http_bad_request_and_down_server(server_url):
         tt.HttpSearch(server_url).search("ada", 1, 7)
     with pytest.raises(RuntimeError, match="not reachable"):
         tt.HttpSearch("http://127.0.0.1:9", timeout=2).search("ada", 1, 1)
+
+
+def serve(handler):
+    """A throwaway HTTP server on 127.0.0.1 with the given GET handler; returns (url, server)."""
+    class H(BaseHTTPRequestHandler):
+        calls = 0
+
+        def do_GET(self):
+            H.calls += 1
+            code, body = handler(H.calls)
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv, H
+
+
+def test_http_client_retries_server_errors_then_succeeds():
+    ok = json.dumps({"results": [{"url": "u", "title": "t", "content": "ada lives avon"}, {"url": "v"}]})
+    url, srv, h = serve(lambda n: (503, "busy") if n < 3 else (200, ok))
+    try:
+        res = tt.HttpSearch(url, timeout=5, retries=2, backoff=0.01).search("ada", 1, 1)
+    finally:
+        srv.shutdown()
+    assert h.calls == 3
+    assert res == [{"url": "u", "title": "t", "content": "ada lives avon"}, {"url": "v", "title": "", "content": ""}]
+
+
+def test_http_client_errors_are_clear_and_not_retried_when_final():
+    url, srv, h = serve(lambda n: (404, "no such thing"))
+    try:
+        with pytest.raises(tt.SearchError, match="answered 404"):
+            tt.HttpSearch(url, retries=3, backoff=0.01).search("ada", 1, 1)
+        assert h.calls == 1  # a 4xx is the request's fault: retrying would not help
+    finally:
+        srv.shutdown()
+    url, srv, h = serve(lambda n: (200, "<html>not json</html>"))
+    try:
+        with pytest.raises(tt.SearchError, match="no SearXNG-style results"):
+            tt.HttpSearch(url).search("ada", 1, 1)
+    finally:
+        srv.shutdown()
+
+
+def test_http_client_gives_up_on_a_hanging_server():
+    def hang(n):
+        time.sleep(2.0)
+        return 200, json.dumps({"results": []})
+    url, srv, h = serve(hang)
+    try:
+        t0 = time.time()
+        with pytest.raises(tt.SearchError, match="ReadTimeout"):
+            tt.HttpSearch(url, timeout=0.2, retries=1, backoff=0.01).search("ada", 1, 1)
+        assert time.time() - t0 < 1.5 and h.calls == 2
+    finally:
+        srv.shutdown()
 
 
 def test_reward_checkers():

@@ -85,6 +85,22 @@ def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_di
     assert searched >= len(trajs)
 
 
+def test_failed_search_is_an_observation_not_a_crash(cold_start_dir):
+    """A backend that fails during a rollout: S reads the error as the search's result."""
+    class Down:
+        def search(self, query, seed, level):
+            raise toy_tools.SearchError("search server http://x answered 503: busy (after 3 tries)")
+    args = mgrpo.parse_args(["--sft-steps", "0"])
+    sub = mgrpo.load_agent(cold_start_dir["sub"], args, seed=0)
+    qs = [toy_tools.make_question(s, 1) for s in range(4)]
+    trajs = mgrpo.run_sub_agents(sub, [f"city of {q.text.split()[-2]}" for q in qs], qs, args, Down(), seed=0)
+    tool_msgs = [sub.tok.decode([i for i, m in zip(t.ids, t.mask) if not m]) for t in trajs]
+    # the cold-started S searches, and each search is answered by the error text (words
+    # outside the toy vocabulary, so <unk> tokens), with loss mask 0
+    assert sum("<tool>" in m and "<unk>" in m for m in tool_msgs) >= 3
+    assert all(len(t.ids) == len(t.mask) == len(t.logp) for t in trajs)
+
+
 def test_main_context_stays_short_single_agent_context_grows():
     """What delegation buys at level 2: M reads one word per sub-task; a single agent
     reads every result list (scripted demos, so the count is exact)."""

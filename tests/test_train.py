@@ -152,3 +152,14 @@ def test_bench_script_runs():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "0.1M" in r.stdout.splitlines()[-1]
+
+
+def test_sub_probe_script_runs():
+    import subprocess
+    import sys
+    probe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "sub_probe.py")
+    r = subprocess.run([sys.executable, probe, "--sft-steps", "2", "--sft-levels", "1,2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[-2].startswith("  level 1: city ") and lines[-1].startswith("  level 2: friend ")

@@ -77,13 +77,24 @@ class Args:
     """co-train: M-GRPO, both agents train; main-only: S stays frozen as loaded or cold-started,
     M trains (GRPO); single-agent: one model searches for itself and answers (GRPO), no S"""
     main_model: str = ""
-    """main agent: a Hugging Face name or path; empty builds a tiny model in code"""
+    """main agent: a Hugging Face name or path (a chat model: its own chat template, tool calls
+    as <tool_call> JSON); empty builds a tiny model in code"""
     sub_model: str = ""
     """sub-agent: a Hugging Face name or path; empty builds a tiny model in code"""
     model_size: str = "0.2M"
-    """size of the models built in code: 0.1M, 0.2M, 1M or 4M parameters"""
+    """size of the models built in code: 0.1M, 0.2M, 1M, 4M or 30M parameters"""
+    chat: bool = False
+    """build the in-code models as Qwen2 chat models (byte-level BPE, Qwen-style chat template,
+    JSON tool calls): the path real instruct models take, without a download"""
     device: str = "cpu"
-    """torch device for both agents, e.g. cpu, cuda, cuda:1"""
+    """torch device of this process's agents, e.g. cpu, cuda, cuda:1 (two GPUs: one per --role)"""
+    dtype: str = "float32"
+    """float32, or bfloat16: matmuls in bf16 (autocast) over fp32 weights and AdamW states; pure
+    bf16 weights would round away updates at lr 1e-6"""
+    grad_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory for long contexts, ~30% slower"""
+    kl_coef: float = 0.0
+    """weight of a k3 KL term to a frozen copy of each agent as RL starts (spec 6: 0, as the paper)"""
     search: str = "toy"
     """search tool: 'toy' (in-process) or the URL of a server speaking SearXNG's JSON API, such as
     the toy server (python toy_tools.py serve)"""
@@ -91,6 +102,8 @@ class Args:
     """seconds per search request"""
     search_retries: int = 2
     """retries of a search request that timed out, failed to connect or got a 5xx answer"""
+    visit_max_chars: int = 2000
+    """chat models' visit tool: page text is cut to this many characters"""
     out: str = ""
     """output folder; empty: runs/<time>-seed<seed>"""
     sft_steps: int = 1200
@@ -123,8 +136,9 @@ class Args:
     """main agent turns per rollout (delegations + the answer)"""
     sub_max_turns: int = 3
     """sub-agent turns per sub-task (searches + the return)"""
-    max_new_tokens: int = 8
-    """tokens per turn; a turn that does not end by then is invalid (raise it for real models)"""
+    max_new_tokens: int = 0
+    """tokens per turn; a turn that does not end by then is invalid; 0: 8 for the word-level
+    models, 256 for chat models (raise it for models that think at length)"""
     w_main_format: float = 0.1
     """eq. 4: R_M = w * r_format + (1 - w) * r_correct when the format is valid, else 0"""
     w_sub: tuple = (0.1, 0.4, 0.5)
@@ -177,7 +191,10 @@ def parse_args(argv=None):
         (a.unsync and a.mode != "co-train", "--unsync changes how S trains: it needs --mode co-train"),
         (a.loss_agg not in ("seq-mean", "token-mean"), "--loss-agg must be seq-mean or token-mean"),
         (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
-        (min(a.steps, a.sft_steps, a.micro_batch) < 0, "--steps, --sft-steps, --micro-batch must be >= 0"),
+        (min(a.steps, a.sft_steps, a.micro_batch, a.max_new_tokens) < 0,
+         "--steps, --sft-steps, --micro-batch, --max-new-tokens must be >= 0"),
+        (a.dtype not in ("float32", "bfloat16"), "--dtype must be float32 or bfloat16"),
+        (a.kl_coef < 0 or a.visit_max_chars < 1, "--kl-coef must be >= 0 and --visit-max-chars >= 1"),
         (min(a.questions_per_step, a.ppo_epochs, a.eval_questions) < 1,
          "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
         (bool(a.sft_levels) and not set(a.sft_levels.split(",")) <= {"1", "2"},
@@ -210,6 +227,8 @@ SIZES = {
                intermediate_size=512),
     "4M": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                intermediate_size=1024),
+    "30M": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=1536),  # the GPU check's size
 }
 
 
@@ -222,24 +241,34 @@ class Agent:
     suppress: tuple = ()   # never sampled: pad and unk look like padding in generate's output
     pad_id: int = 0        # the tokenizer's pad, else its eos (padding is found by length anyway)
     pending: tuple = None  # --unsync: (batch, advantages) of the previous step, not yet trained on
+    chat: bool = False     # a chat model: system prompt with tools, <tool_call> JSON (else word-level tags)
+    end: tuple = (0, 0)    # (id, length of its text) of the stop token that closes an assistant turn
+    ref: torch.nn.Module = None  # frozen reference for --kl-coef
+    bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights
+
+    def autocast(self):
+        return torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
 
-def tiny_model(tok, size, seed):
+def tiny_model(tok, size, seed, chat=False):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=256, tie_word_embeddings=False,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-                      **SIZES[size])
-    return LlamaForCausalLM(cfg)
+    cfg = dict(vocab_size=len(tok), tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+               eos_token_id=tok.eos_token_id, bos_token_id=None, **SIZES[size])
+    if chat:  # Qwen2 itself: chat contexts (system prompt, tool schemas, results) are long
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(max_position_embeddings=4096, **cfg))
+    return LlamaForCausalLM(LlamaConfig(max_position_embeddings=256, **cfg))
 
 
 def load_agent(name, args, seed):
     """A real model by Hugging Face name or path, or (name empty) a tiny one built in code."""
     if name:
         tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)  # fp32 master weights
     else:
-        tok = toy_tools.toy_tokenizer()
-        model = tiny_model(tok, args.model_size, seed)
+        tok = toy_tools.chat_tokenizer() if args.chat else toy_tools.toy_tokenizer()
+        model = tiny_model(tok, args.model_size, seed, args.chat)
+    if not tok.chat_template:
+        raise ValueError(f"{name}: the tokenizer has no chat template; the agents need one (an instruct model)")
     model.to(args.device).eval()  # eval: no dropout, so sampling and training log-probs agree
     eos = model.generation_config.eos_token_id
     stop = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
@@ -247,18 +276,64 @@ def load_agent(name, args, seed):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98),
                             weight_decay=args.weight_decay)
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(stop)
-    return Agent(model, tok, opt, tuple(sorted(stop)), tuple(sorted(suppress)), pad)
+    if args.grad_checkpointing:
+        # HF recomputes only in train mode, which must then change nothing else: no dropout
+        drop = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        if drop or getattr(model.config, "attention_dropout", 0.0):
+            raise ValueError(f"--grad-checkpointing trains in train mode, and {name or 'the model'} has dropout")
+        if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Which stop token closes an assistant turn in the template, and how much text it takes
+    after = chat_suffix(tok, "user", "?")
+    end = next(((i, m.end()) for i in sorted(stop) for m in [re.match(r"\s*" + re.escape(tok.decode([i])), after)]
+                if m and tok.decode([i])), None)
+    if end is None:
+        raise ValueError(f"{name}: the chat template ends an assistant turn with {after[:30]!r}, which starts "
+                         f"with none of the stop tokens {[tok.decode([i]) for i in stop]}")
+    return Agent(model, tok, opt, tuple(sorted(stop)), tuple(sorted(suppress)), pad,
+                 chat=tok.chat_template != toy_tools.CHAT_TEMPLATE, end=end, bf16=args.dtype == "bfloat16")
 
 
-def render(tok, role, content):
-    """Token ids of one message plus the assistant prompt, appended to a growing context.
+# =======================================================================================
+# Contexts as token ids, grown one message at a time
+# =======================================================================================
+# Contexts grow by appending ids, never by re-rendering and re-tokenising the conversation,
+# so the ids trained on are exactly the ids sampled. A message's ids are cut from a render
+# in which an assistant turn precedes it: chat templates render a message alone with a
+# default system prompt (Qwen2.5) or render the last assistant turn differently (Qwen3).
+MARK = "@@MARK@@"
 
-    Contexts grow by appending ids, never by re-tokenising the conversation, so the ids
-    trained on are exactly the ids sampled.
-    """
-    text = tok.apply_chat_template([{"role": role, "content": content}],
-                                   add_generation_prompt=True, tokenize=False)
-    return tok(text, add_special_tokens=False).input_ids
+
+def chat_suffix(tok, role, content):
+    """The template's text after an assistant turn's content: the turn's end, then `role`'s
+    message, then the prompt for the next assistant turn."""
+    text = tok.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": MARK},
+                                    {"role": role, "content": content}], add_generation_prompt=True, tokenize=False)
+    return text[text.rindex(MARK) + len(MARK):]
+
+
+def message_ids(agent, role, content):
+    """Ids of one message (a tool result) and the next assistant prompt, to append after an
+    assistant turn, which ends with the stop token the model sampled (`agent.end`)."""
+    return agent.tok(chat_suffix(agent.tok, role, content)[agent.end[1]:], add_special_tokens=False).input_ids
+
+
+def prompt_ids(agent, who, content):
+    """Ids of a new conversation: the user message (for chat models after a system prompt that
+    describes the agent's tools) and the assistant prompt. who: main, sub or single."""
+    msgs, kw = [{"role": "user", "content": content}], {}
+    if agent.chat:
+        tools = [toy_tools.TOOLS[n] for n in toy_tools.CHAT_TOOLS[who]]
+        system = toy_tools.SYSTEM[who]
+        if "tools" in agent.tok.chat_template:
+            kw["tools"] = tools
+        else:  # a template that cannot list tools: they go into the system prompt as JSON
+            system += "\nTools:\n" + "\n".join(json.dumps(t) for t in tools)
+        msgs.insert(0, {"role": "system", "content": system})
+    text = agent.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
+    return agent.tok(text, add_special_tokens=False).input_ids
 
 
 # =======================================================================================
@@ -284,9 +359,13 @@ class Traj:
         self.logp += [0.0] * len(ids) if logp is None else logp
 
 
-def new_traj(tok, content, **kw):
-    ids = render(tok, "user", content)
+def new_traj(agent, who, content, **kw):
+    ids = prompt_ids(agent, who, content)
     return Traj(ids, [0] * len(ids), [0.0] * len(ids), **kw)
+
+
+def max_new(agent, args):
+    return args.max_new_tokens or (256 if agent.chat else 8)
 
 
 @torch.no_grad()
@@ -311,7 +390,8 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False):
                            suppress_tokens=list(agent.suppress) or None, output_logits=True,
                            return_dict_in_generate=True,
                            **(dict(do_sample=False) if greedy else dict(do_sample=True, top_k=0, top_p=1.0)))
-    out = agent.model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=cfg)
+    with agent.autocast():
+        out = agent.model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=cfg)
     new = out.sequences[:, L:]
     logp = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0]
     res = []
@@ -322,40 +402,46 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False):
     return res
 
 
-def turn_action(agent, new, ended, tags):
+def turn_action(agent, new, ended, who):
     """Parse one turn's output: (tag, argument), or None for invalid format."""
     if not ended:  # overlong: never closed its turn
         return None
-    return toy_tools.parse_action(agent.tok.decode(new[:-1], skip_special_tokens=False), tags)
+    text = agent.tok.decode(new[:-1], skip_special_tokens=False)
+    if agent.chat:
+        return toy_tools.parse_chat_action(text, who)
+    return toy_tools.parse_action(text, toy_tools.TAGS[who])
 
 
-def tool_loop(agent, prompts, questions, args, search, seed, greedy, tags, max_turns, name):
+def tool_loop(agent, prompts, questions, args, search, seed, greedy, who, max_turns):
     """A multi-turn search loop for a batch of prompts, in lockstep: one generate per turn.
-    Each turn is `<search> query </search>` (its results come back as a tool message,
-    mask 0) or `<tags[1]> result </tags[1]>`, which ends the loop."""
-    trajs = [new_traj(agent.tok, p, task=p) for p in prompts]
+    Each turn searches (or, chat models, visits a result's page; what comes back is a tool
+    message, mask 0) or gives the final result, which ends the loop. who: sub or single."""
+    trajs = [new_traj(agent, who, p, task=p) for p in prompts]
     active = list(range(len(prompts)))
     for turn in range(max_turns):
         if not active:
             break
-        outs = generate(agent, [trajs[j].ids for j in active], args.max_new_tokens,
-                        toy_tools.stable_seed(seed, name, turn), greedy)
+        outs = generate(agent, [trajs[j].ids for j in active], max_new(agent, args),
+                        toy_tools.stable_seed(seed, who, turn), greedy)
         still = []
         for j, (new, lp, ended) in zip(active, outs):
             t = trajs[j]
             t.add(new, lp)
-            act = turn_action(agent, new, ended, tags)
-            if act is None or (act[0] == "search" and turn == max_turns - 1):
+            act = turn_action(agent, new, ended, who)
+            if act is None or (act[0] != toy_tools.TAGS[who][1] and turn == max_turns - 1):
                 continue  # invalid format, or out of turns: t.ok stays False
-            if act[0] == tags[1]:
+            if act[0] == toy_tools.TAGS[who][1]:
                 t.result, t.ok = act[1], True
                 continue
             q = questions[j]
             try:
-                obs = toy_tools.search_observation(search.search(act[1], q.seed, q.level))
+                if act[0] == "visit":
+                    obs = search.visit(act[1], args.visit_max_chars)
+                else:
+                    obs = toy_tools.search_observation(search.search(act[1], q.seed, q.level), agent.chat)
             except toy_tools.SearchError as e:
                 obs = f"error: {e}"  # a failed search is an observation, not the end of the run
-            t.add(render(agent.tok, "tool", obs))  # tool output: mask 0
+            t.add(message_ids(agent, "tool", obs))  # tool output: mask 0
             still.append(j)
         active = still
     return trajs
@@ -363,7 +449,7 @@ def tool_loop(agent, prompts, questions, args, search, seed, greedy, tags, max_t
 
 def run_sub_agents(sub, tasks, questions, args, search, seed, greedy=False):
     """S's multi-turn tool loop for a batch of sub-tasks; it returns one entity each."""
-    return tool_loop(sub, tasks, questions, args, search, seed, greedy, toy_tools.SUB_TAGS, args.sub_max_turns, "sub")
+    return tool_loop(sub, tasks, questions, args, search, seed, greedy, "sub", args.sub_max_turns)
 
 
 def rollout(main, delegate, questions, K, args, seed, greedy=False):
@@ -374,19 +460,19 @@ def rollout(main, delegate, questions, K, args, seed, greedy=False):
     greedy) -> sub trajs`: S in this process (`local_delegate`) or in the other role's
     process, through the store (`remote_delegate`).
     """
-    mains = [new_traj(main.tok, q.text, q=qi, k=k) for qi, q in enumerate(questions) for k in range(K)]
+    mains = [new_traj(main, "main", q.text, q=qi, k=k) for qi, q in enumerate(questions) for k in range(K)]
     subs = []
     active = list(range(len(mains)))
     for turn in range(args.main_max_turns):
         if not active:
             break
-        outs = generate(main, [mains[j].ids for j in active], args.max_new_tokens,
+        outs = generate(main, [mains[j].ids for j in active], max_new(main, args),
                         toy_tools.stable_seed(seed, "main", turn), greedy)
         calls = []
         for j, (new, lp, ended) in zip(active, outs):
             m = mains[j]
             m.add(new, lp)
-            act = turn_action(main, new, ended, toy_tools.MAIN_TAGS)
+            act = turn_action(main, new, ended, "main")
             if act is None or (act[0] == "call" and turn == args.main_max_turns - 1):
                 continue  # invalid format, or no turn left to answer: m.ok stays False
             if act[0] == "answer":
@@ -401,7 +487,7 @@ def rollout(main, delegate, questions, K, args, seed, greedy=False):
                 mains[j].calls.append(len(subs))
                 subs.append(s)
                 # S's returned text enters M's context as a tool message: mask 0
-                mains[j].add(render(main.tok, "tool", s.result if s.ok else "none"))
+                mains[j].add(message_ids(main, "tool", s.result if s.ok else "none"))
         active = [j for j, _ in calls]
     return mains, subs
 
@@ -410,8 +496,7 @@ def single_rollout(agent, questions, K, args, search, seed, greedy=False):
     """The single-agent baseline (spec 8c): one model, one trajectory per rollout, searching
     itself with S's tool and answering; every search result stays in its own context."""
     qs = [q for q in questions for _ in range(K)]
-    trajs = tool_loop(agent, [q.text for q in qs], qs, args, search, seed, greedy,
-                      toy_tools.SINGLE_TAGS, args.main_max_turns, "single")
+    trajs = tool_loop(agent, [q.text for q in qs], qs, args, search, seed, greedy, "single", args.main_max_turns)
     for j, t in enumerate(trajs):
         t.q, t.k = divmod(j, K)
     return trajs, []
@@ -492,13 +577,14 @@ def token_logprobs(model, ids, attn):
     were unpadded; logits at t-1 predict the token at t (the shift).
     """
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
     lp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
     lp = lp * (attn[:, 1:] * attn[:, :-1])
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
 
 
-def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, agg="seq-mean"):
+def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, agg="seq-mean",
+                ref_logp=None, kl_coef=0.0):
     """Negated clipped surrogate, eq. 14-19, for one agent. Returns (loss, stats).
 
     The spec gives M's objective and S's as one block, eq. 14-19 (eq. 14, eq. 15, eq. 16,
@@ -510,6 +596,8 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     as the authors ran it (the paper writes a sequence-level ratio). Only mask-1 tokens count.
     agg="seq-mean": mean over each sequence's tokens, then over the B sequences (a row
     without tokens counts as 0); "token-mean": mean over all tokens of the batch.
+    ref_logp, kl_coef: the optional KL penalty to a frozen reference (spec 6, off by default),
+    kl_coef * k3 per token with k3 = exp(ref - logp) - (ref - logp) - 1 >= 0.
     """
     m = mask.to(logp.dtype)
     log_ratio = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
@@ -517,6 +605,10 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     a = advantages.to(logp.dtype)[:, None]
     surr = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)  # min(rho A, clip(rho) A)
     per_tok = -surr * m
+    if ref_logp is not None and kl_coef:
+        d = torch.where(mask.bool(), ref_logp - logp, torch.zeros_like(logp))
+        kl_ref = d.exp() - d - 1
+        per_tok = per_tok + kl_coef * kl_ref * m
     if agg == "seq-mean":
         loss = (per_tok.sum(1) / m.sum(1).clamp(min=1)).mean()
     elif agg == "token-mean":
@@ -529,6 +621,8 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
         stats = {"clip_frac": float((clipped * m).sum() / n),
                  "approx_kl": float((((ratio - 1) - log_ratio) * m).sum() / n),  # k3 estimator
                  "tokens": float(m.sum())}
+        if ref_logp is not None and kl_coef:
+            stats["kl_ref"] = float((kl_ref * m).sum() / n)
     return loss, stats
 
 
@@ -555,14 +649,21 @@ def update_agent(agent, trajs, adv, args):
     adv = adv.to(dev)
     B, mb = len(trajs), args.micro_batch or len(trajs)
     n_tok = mask.sum().clamp(min=1)
-    acc = {"clip_frac": 0.0, "approx_kl": 0.0, "t_fwd": 0.0, "t_bwd": 0.0}
+    ref = None
+    if agent.ref is not None:  # --kl-coef: the frozen reference's log-probs, once per batch
+        with torch.no_grad(), agent.autocast():
+            ref = torch.cat([token_logprobs(agent.ref, ids[s:s + mb], attn[s:s + mb]) for s in range(0, B, mb)])
+    acc = {"clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "t_fwd": 0.0, "t_bwd": 0.0}
+    model.train(args.grad_checkpointing)  # recomputation needs train mode (no dropout: checked at load)
     for _ in range(args.ppo_epochs):
         agent.opt.zero_grad(set_to_none=True)
         for s in range(0, B, mb):
             t0 = time.perf_counter()
             sl = slice(s, s + mb)
-            logp = token_logprobs(model, ids[sl], attn[sl])
-            loss, st = policy_loss(logp, old[sl], adv[sl], mask[sl], args.eps_low, args.eps_high, args.loss_agg)
+            with agent.autocast():
+                logp = token_logprobs(model, ids[sl], attn[sl])
+            loss, st = policy_loss(logp, old[sl], adv[sl], mask[sl], args.eps_low, args.eps_high, args.loss_agg,
+                                   None if ref is None else ref[sl], args.kl_coef)
             w = (min(mb, B - s) / B) if args.loss_agg == "seq-mean" else mask[sl].sum() / n_tok
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss.item()} in the policy update; stopping")
@@ -570,16 +671,21 @@ def update_agent(agent, trajs, adv, args):
             (loss * w).backward()
             acc["t_fwd"] += t1 - t0
             acc["t_bwd"] += time.perf_counter() - t1
-            for key in ("clip_frac", "approx_kl"):
-                acc[key] += st[key] * st["tokens"] / float(n_tok) / args.ppo_epochs
+            for key in ("clip_frac", "approx_kl", "kl_ref"):
+                acc[key] += st.get(key, 0.0) * st["tokens"] / float(n_tok) / args.ppo_epochs
         t1 = time.perf_counter()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         if not torch.isfinite(gn):
             raise FloatingPointError(f"non-finite gradient norm {gn.item()}; stopping")
         agent.opt.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # so that the time split is the GPU's, not the launch queue's
         acc["t_bwd"] += time.perf_counter() - t1
+    model.eval()
     acc["grad_norm"] = float(gn)
     acc["tokens"] = float(n_tok) * args.ppo_epochs
+    acc["tokens_in"] = float(attn.sum()) * args.ppo_epochs  # every token through the model (for MFU)
+    acc["sequences"] = B * args.ppo_epochs
     return acc
 
 
@@ -636,7 +742,9 @@ def sub_step(sub, subs, exchange, questions, step, args):
         batch = []  # S frozen (spec 8b): its rewards are still computed, to be logged
     up = update_agent(sub, batch, adv, args) if batch else {}
     rec = {"sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **stats,
-           **{f"{k}_sub": up[k] for k in ("clip_frac", "approx_kl", "grad_norm") if k in up}}
+           **{f"{k}_sub": up[k] for k in ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences")
+              if k in up},
+           "t_train_sub": up.get("t_fwd", 0.0) + up.get("t_bwd", 0.0)}
     return rec, up
 
 
@@ -661,7 +769,8 @@ def train_step(main, play, step, args, sub=None, store=None, phase=""):
         store.put(f"{phase}-done", {"exchange": exchange, "questions": [[q.seed, q.level] for q in questions]})
     up = update_agent(main, mains, adv_main, args)
     rec = {"step": step, "main_reward": float(r_main.mean()), **m_stats, "d_k": [len(m.calls) for m in mains],
-           "sub_calls": len(subs), **{f"{k}_main": up[k] for k in ("clip_frac", "approx_kl", "grad_norm")}}
+           "sub_calls": len(subs), "t_train_main": up["t_fwd"] + up["t_bwd"],
+           **{f"{k}_main": up[k] for k in ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences")}}
     ups = [up]
     if sub:
         rs, up_s = sub_step(sub, subs, exchange, questions, step, args)
@@ -669,6 +778,7 @@ def train_step(main, play, step, args, sub=None, store=None, phase=""):
         ups.append(up_s)
     dt = time.perf_counter() - t0
     rec.update({k: sum(u.get(k, 0.0) for u in ups) for k in ("t_fwd", "t_bwd")}, t_gen=t_gen, t_step=dt,
+               gen_tokens=sum(sum(t.mask) for t in mains + subs),
                gen_tokens_per_s=sum(sum(t.mask) for t in mains + subs) / t_gen,
                train_tokens_per_s=sum(u.get("tokens", 0.0) for u in ups) / (dt - t_gen))
     return rec
@@ -827,14 +937,16 @@ def serve_sub(sub, store, args, search, start, on_step):
     for idx, (kind, step, greedy) in enumerate(schedule(args)):
         if idx < start:
             continue
-        phase, subs = f"p{idx:06d}", []
+        phase, subs, t_gen = f"p{idx:06d}", [], 0.0
         t0, io0 = time.perf_counter(), store.io_time
         for turn in itertools.count():
             key, rec = store.wait(f"{phase}-t{turn}-tasks", f"{phase}-done")
             if key.endswith("-done"):
                 break
             qs = [toy_tools.make_question(seed, level) for seed, level in rec["questions"]]
+            t1 = time.perf_counter()
             st = run_sub_agents(sub, rec["tasks"], qs, args, search, rec["seed"], rec["greedy"])
+            t_gen += time.perf_counter() - t1
             subs += st
             results = [[s.result, s.ok] for s in st]
             store.put(f"{phase}-t{turn}-results", {"tasks": rec["tasks"], "results": results})
@@ -842,41 +954,46 @@ def serve_sub(sub, store, args, search, start, on_step):
         if kind == "step":
             qs = [toy_tools.make_question(seed, level) for seed, level in rec["questions"]]
             rs, _ = sub_step(sub, subs, rec["exchange"], qs, step, args)
-            out = {"step": step, **rs, "t_step": time.perf_counter() - t0, "t_store": store.io_time - io0}
+            out = {"step": step, **rs, "t_step": time.perf_counter() - t0, "t_store": store.io_time - io0,
+                   "t_gen_sub": t_gen, "gen_tokens_sub": sum(sum(s.mask) for s in subs)}
         on_step(idx, out)
 
 
 # =======================================================================================
 # Cold start: supervised warm-up on noisy scripted demos (stands in for stage 1)
 # =======================================================================================
-def encode_demo(tok, msgs):
+def encode_demo(agent, msgs, who):
     """A demo conversation as a Traj, built exactly as rollouts build contexts."""
-    t = new_traj(tok, msgs[0]["content"])
+    t = new_traj(agent, who, msgs[0]["content"])
     for msg in msgs[1:]:
         if msg["role"] == "assistant":
-            ids = tok(msg["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            ids = agent.tok(msg["content"], add_special_tokens=False).input_ids + [agent.end[0]]
             t.add(ids, [0.0] * len(ids))  # log-probs unused: the mask alone picks trained tokens
         else:
-            t.add(render(tok, msg["role"], msg["content"]))
+            t.add(message_ids(agent, msg["role"], msg["content"]))
     return t
 
 
-def cold_start(agent, demo_fn, args, seed):
+def cold_start(agent, who, args, seed):
     """Teacher-forced cross-entropy on mask-1 tokens of freshly generated demos."""
+    demo_fn = {"main": toy_tools.main_demo, "sub": toy_tools.sub_demo, "single": toy_tools.single_demo}[who]
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(seed)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / args.sft_steps)))
     levels = [int(x) for x in args.sft_levels.split(",")] if args.sft_levels else [args.level]
     for _ in range(args.sft_steps):
         demos = [demo_fn(toy_tools.make_question(rng.randrange(2 ** 31), levels[i % len(levels)]), rng,
-                         args.demo_noise) for i in range(args.sft_batch)]
-        ids, attn, mask, _ = collate([encode_demo(agent.tok, d) for d in demos], agent.pad_id, agent.model.device)
-        loss = -(token_logprobs(agent.model, ids, attn) * mask).sum() / mask.sum()
+                         args.demo_noise, chat=agent.chat) for i in range(args.sft_batch)]
+        ids, attn, mask, _ = collate([encode_demo(agent, d, who) for d in demos], agent.pad_id, agent.model.device)
+        agent.model.train(args.grad_checkpointing)
+        with agent.autocast():
+            loss = -(token_logprobs(agent.model, ids, attn) * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
         opt.step()
         sched.step()
+    agent.model.eval()
     return loss.item()
 
 
@@ -895,6 +1012,25 @@ def evaluate(play, args, greedy=False, chunk=256):
         mains, _ = play(qs, 1, toy_tools.stable_seed("eval", s), greedy)
         ok += [m.ok and toy_tools.answer_correct(q, m.result) for m, q in zip(mains, qs)]
     return float(np.mean(ok))
+
+
+def memory_estimate(agent, who, args):
+    """A rough estimate of one agent's training memory in GiB, printed at start-up: (fp32
+    weights, grads and AdamW states at 16 bytes a parameter, plus the frozen reference;
+    activations and logits of one micro-batch of the longest contexts the limits allow)."""
+    cfg = getattr(agent.model.config, "text_config", agent.model.config)
+    n = sum(p.numel() for p in agent.model.parameters())
+    turns = args.sub_max_turns if who == "sub" else args.main_max_turns
+    obs = 30 if who == "main" else (args.visit_max_chars // 3 if agent.chat else 60)  # tokens per tool result
+    T = len(prompt_ids(agent, who, "x" * 40)) + turns * (max_new(agent, args) + obs)
+    B = args.questions_per_step * args.group_size * (args.max_sub if who == "sub" else 1)
+    mb = min(args.micro_batch or B, B)
+    # per token: activations (~34 h bytes a layer in 16 bits, ~2 h kept with checkpointing),
+    # and logits in bf16 or fp32 + their fp32 log-softmax + its gradient (~10-12 bytes a vocab entry)
+    act = cfg.num_hidden_layers * cfg.hidden_size * (2 if args.grad_checkpointing else 34) * (1 if agent.bf16 else 2)
+    per_tok = act + (10 if agent.bf16 else 12) * cfg.vocab_size
+    static = n * (16 + (2 if agent.bf16 else 4) * (args.kl_coef > 0))
+    return static / 2 ** 30, mb * T * per_tok / 2 ** 30, mb, T
 
 
 def paper_D(d_values, p=0.99):
@@ -917,8 +1053,9 @@ def save_checkpoint(out, agents, index, n_metrics):
                 "opt": {name: a.opt.state_dict() for name, a in agents.items()},
                 "pending": {name: ([dataclasses.asdict(t) for t in a.pending[0]], a.pending[1].tolist())
                             for name, a in agents.items() if a.pending},
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}}, os.path.join(tmp, "state.pt"))
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}},
+               os.path.join(tmp, "state.pt"))
     if os.path.exists(final):
         os.replace(final, final + ".old")
     os.replace(tmp, final)
@@ -941,6 +1078,8 @@ def load_checkpoint(out, names, args):
     random.setstate(st["rng"]["python"])
     np.random.set_state(st["rng"]["numpy"])
     torch.set_rng_state(st["rng"]["torch"])
+    if st["rng"].get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["rng"]["cuda"])
     return agents, st["index"], st["metrics_lines"]
 
 
@@ -997,7 +1136,10 @@ def run(args, out, names, store, t_start):
     search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(
         args.search, args.search_timeout, args.search_retries)
     if "sub" in names or args.mode == "single-agent":
-        search.search("ada", 0, 1)  # a server that is down fails here, clearly, before any training
+        try:  # a server that is down fails here, clearly, before any training
+            search.search("ada", 0, 1)
+        except toy_tools.SearchError as e:
+            raise toy_tools.SearchError(f"{e}; the toy server starts with: python toy_tools.py serve --port PORT")
     shared = json.loads(json.dumps({k: getattr(args, k) for k in SHARED_ARGS}))  # as the store holds it
     if store and args.role == "main":
         run_rec = store.read("run")
@@ -1035,18 +1177,29 @@ def run(args, out, names, store, t_start):
     n_params = {n: sum(p.numel() for p in a.model.parameters()) / 1e6 for n, a in agents.items()}
     print(f"M-GRPO | role {args.role} | " + ", ".join(f"{n} {p:.2f}M params" for n, p in n_params.items())
           + f" | {args.mode} K={args.group_size} D={args.max_sub} level={args.level} device={args.device}"
-          + (" unsync" if args.unsync else "") + f" | out: {out}", flush=True)
+          + f" {args.dtype}" + (" unsync" if args.unsync else "") + f" | out: {out}", flush=True)
+    who = {"main": "single" if args.mode == "single-agent" else "main", "sub": "sub"}
+    for n, a in agents.items():
+        static, act, mb, T = memory_estimate(a, who[n], args)
+        print(f"memory estimate, {n}: {static + act:.2f} GiB = {static:.2f} weights, grads, AdamW"
+              + (", reference" if args.kl_coef else "") + f" + {act:.2f} one micro-batch ({mb} x up to {T} tokens;"
+              " --micro-batch and --grad-checkpointing lower it)", flush=True)
 
     if not ckpt and args.sft_steps:
         t0 = time.time()
-        demos = {"main": toy_tools.single_demo if args.mode == "single-agent" else toy_tools.main_demo,
-                 "sub": toy_tools.sub_demo}
-        losses = {n: cold_start(a, demos[n], args, toy_tools.stable_seed(args.seed, "sft-" + n))
+        losses = {n: cold_start(a, who[n], args, toy_tools.stable_seed(args.seed, "sft-" + n))
                   for n, a in agents.items()}
         print(f"cold start: {args.sft_steps} steps on noisy demos, final loss "
               + " ".join(f"{n} {v:.3f}" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)", flush=True)
     if not ckpt:
         save_checkpoint(out, agents, 0, 0)
+    if args.kl_coef:  # the frozen reference: each agent as RL starts (after the cold start)
+        for n, a in agents.items():
+            path = os.path.join(out, "ref", n)
+            if not ckpt:
+                a.model.save_pretrained(path)
+            a.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if a.bf16 else torch.float32)
+            a.ref.to(args.device).eval().requires_grad_(False)
 
     metrics = open(os.path.join(out, "metrics.jsonl"), "a")
     plan = schedule(args)
@@ -1100,6 +1253,7 @@ def run(args, out, names, store, t_start):
     steps = [r for r in rows if "eval" not in r]
     evals = {(r["step"], r["eval"]): r["eval_success"] for r in rows if "eval" in r}
     summary = {"role": args.role, "mode": args.mode, "level": args.level, "steps": len(steps),
+               "params": sum(p.numel() for a in agents.values() for p in a.model.parameters()),
                "wall_time_s": round(time.time() - t_start, 1)}
     if store:
         t_step = sum(r["t_step"] for r in steps)
@@ -1118,6 +1272,9 @@ def run(args, out, names, store, t_start):
               f"(before {summary['eval_success_start']:.3f}), greedy {summary['eval_greedy_success_end']:.3f}")
     if store:
         print(f"store: {100 * summary['store_share_of_step_time']:.1f}% of step time in reads and writes")
+    if torch.device(args.device).type == "cuda":
+        summary["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(args.device) / 2 ** 30
+        print(f"peak GPU memory of this process: {summary['peak_gpu_mem_gib']:.2f} GiB")
     print(f"{summary['wall_time_s']:.0f}s in all | {out}", flush=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

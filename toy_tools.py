@@ -24,8 +24,15 @@ Protocol, shaped like SearXNG's JSON API:
     GET /search?q=<query>&format=json&kb=<question seed>&level=<1|2>
     -> 200 {"query": q, "results": [{"url": ..., "title": ..., "content": "ada lives avon"}, ...]}
     -> 400 {"error": "..."} on a bad request
+    GET /page/<kb>/<level>/<entity>   (a result's url)
+    -> 200 an HTML page with every fact about the entity
 
-Both paths return the same results for the same (kb, level, query).
+Both paths return the same results and page texts for the same (kb, level, query).
+
+Chat models (real instruct models, or the tiny Qwen2-style ones of `--chat`) do not use
+the word-level tags: they call tools as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+(tools `sub_agent`, `search`, `visit`) and answer as <answer> ... </answer>; see "Chat
+models" below.
 """
 import argparse
 import json
@@ -148,8 +155,31 @@ def search_results(seed, level, query):
     others = clean if len(clean) >= n - len(hits) else others
     keys = hits + rng.sample(others, n - len(hits))
     rng.shuffle(keys)
-    return [{"url": f"toy://kb/{seed}/{rel}/{subj}", "title": subj,
+    return [{"url": f"toy://page/{seed}/{level}/{subj}", "title": subj,
              "content": fact_text(rel, subj, kb[(rel, subj)])} for rel, subj in keys]
+
+
+def page_text(seed, level, entity):
+    """The page behind a result: every fact about the entity, as sentences (None: no such page)."""
+    kb = knowledge_base(seed, level)
+    facts = [fact_text(rel, s, v) + "." for (rel, s), v in kb.items() if s == entity]
+    return f"{entity}. " + " ".join(facts) if facts else None
+
+
+def html_text(html):
+    """Readable text of an HTML page: scripts, styles and tags out, entities decoded."""
+    import html as html_lib
+    html = re.sub(r"(?is)<(head|script|style)\b.*?</\1>", " ", html)
+    return " ".join(html_lib.unescape(re.sub(r"<[^>]+>", " ", html)).split())
+
+
+def _toy_page(url):
+    m = re.fullmatch(r"(?:toy:/|https?://[^/]+)/page/(\d+)/(\d)/([a-z]+)", url.strip())
+    return page_text(int(m.group(1)), int(m.group(2)), m.group(3)) if m and int(m.group(2)) in N_SNIPPETS else None
+
+
+class SearchError(RuntimeError):
+    """The search backend failed (after its retries)."""
 
 
 class ToySearch:
@@ -158,9 +188,11 @@ class ToySearch:
     def search(self, query, seed, level):
         return search_results(seed, level, query)
 
-
-class SearchError(RuntimeError):
-    """The search backend failed (after its retries)."""
+    def visit(self, url, max_chars=2000):
+        text = _toy_page(url)
+        if text is None:
+            raise SearchError(f"cannot visit {url!r}: not a page of this search tool")
+        return text[:max_chars]
 
 
 class HttpSearch:
@@ -175,23 +207,25 @@ class HttpSearch:
     def __init__(self, url, timeout=10.0, retries=2, backoff=0.5):
         self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), timeout, retries, backoff
 
-    def search(self, query, seed, level):
+    def _get(self, url, params, what):
+        """GET with a timeout; retries connection errors, timeouts and 5xx with backoff."""
         import requests
-        params = {"q": query, "format": "json", "kb": seed, "level": level}  # a real server ignores kb, level
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                r = requests.get(f"{self.url}/search", timeout=self.timeout, params=params)
+                r = requests.get(url, timeout=self.timeout, params=params)
             except requests.exceptions.RequestException as e:
-                why = (f"is not reachable ({type(e).__name__}); start one with: "
-                       f"python toy_tools.py serve --port PORT")
+                why = f"is not reachable ({type(e).__name__})"
                 continue
             if r.status_code < 500:
-                break
+                return r
             why = f"answered {r.status_code}: {r.text[:200]}"
-        else:
-            raise SearchError(f"search server {self.url} {why} (after {self.retries + 1} tries)")
+        raise SearchError(f"{what} {why} (after {self.retries + 1} tries)")
+
+    def search(self, query, seed, level):
+        params = {"q": query, "format": "json", "kb": seed, "level": level}  # a real server ignores kb, level
+        r = self._get(f"{self.url}/search", params, f"search server {self.url}")
         if r.status_code != 200:
             raise SearchError(f"search server {self.url} answered {r.status_code}: {r.text[:200]}")
         try:
@@ -201,29 +235,55 @@ class HttpSearch:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise SearchError(f"search server {self.url} sent no SearXNG-style results: {r.text[:200]}") from e
 
+    def visit(self, url, max_chars=2000):
+        """The text of a result's page (HTML stripped), cut to max_chars. Only http(s) URLs:
+        the URL comes from the model, so no file:// or other schemes."""
+        if not re.match(r"https?://", url):
+            raise SearchError(f"cannot visit {url!r}: only http(s) URLs")
+        r = self._get(url, {}, f"page {url}")
+        if r.status_code != 200:
+            raise SearchError(f"visit {url} answered {r.status_code}")
+        is_html = "html" in r.headers.get("Content-Type", "") or r.text.lstrip()[:1] == "<"
+        return (html_text(r.text) if is_html else " ".join(r.text.split()))[:max_chars]
 
-def search_observation(results):
-    """What the sub-agent reads back from one search: the snippets, ';'-separated."""
-    return " ; ".join(r["content"] for r in results) if results else "none"
+
+def search_observation(results, chat=False):
+    """What the agent reads back from one search: the snippets, ';'-separated (word-level
+    models), or for chat models one numbered line per result with its url (to visit)."""
+    if not results:
+        return "none"
+    if chat:
+        return "\n".join(f"[{i + 1}] {r['title']} ({r['url']}): {r['content']}" for i, r in enumerate(results))
+    return " ; ".join(r["content"] for r in results)
 
 
 class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         u = urlparse(self.path)
         qs = parse_qs(u.query)
+        ctype = "application/json"
         try:
-            if u.path != "/search":
-                raise ValueError(f"unknown path {u.path}")
-            query = qs.get("q", [""])[0]
-            seed, level = int(qs["kb"][0]), int(qs.get("level", ["1"])[0])
-            if level not in N_SNIPPETS:
-                raise ValueError("level must be 1 or 2")
-            code, body = 200, {"query": query, "results": search_results(seed, level, query)}
+            if u.path == "/search":
+                query = qs.get("q", [""])[0]
+                seed, level = int(qs["kb"][0]), int(qs.get("level", ["1"])[0])
+                if level not in N_SNIPPETS:
+                    raise ValueError("level must be 1 or 2")
+                results = search_results(seed, level, query)
+                for r in results:  # the pages live on this server
+                    r["url"] = r["url"].replace("toy:/", f"http://{self.headers.get('Host', 'localhost')}", 1)
+                code, body = 200, json.dumps({"query": query, "results": results})
+            elif u.path.startswith("/page/") and _toy_page("toy:/" + u.path) is not None:
+                title, text = _toy_page("toy:/" + u.path).split(" ", 1)
+                ctype, code = "text/html; charset=utf-8", 200
+                body = (f"<html><head><title>{title}</title><style>p {{margin: 0}}</style></head>"
+                        f"<body><h1>{title}</h1><p>{text.replace('. ', '.<br>')}</p></body></html>")
+            else:
+                code, body = 404, json.dumps({"error": f"unknown path {u.path}"})
         except (KeyError, ValueError) as e:
-            code, body = 400, {"error": f"bad request: {e}"}
-        data = json.dumps(body).encode()
+            code, body = 400, json.dumps({"error": f"bad request: {e}"})
+        data = body.encode()
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -243,6 +303,7 @@ def make_server(port=0):
 _ACTION = re.compile(r"^\s*(?:<think>.*?</think>)?\s*<(call|answer|search|return)>(.*?)</\1>\s*$", re.S)
 MAIN_TAGS, SUB_TAGS = ("call", "answer"), ("search", "return")
 SINGLE_TAGS = ("search", "answer")  # the single-agent baseline searches itself
+TAGS = {"main": MAIN_TAGS, "sub": SUB_TAGS, "single": SINGLE_TAGS}  # (tool, final answer) per agent
 
 
 def parse_action(text, allowed):
@@ -281,51 +342,176 @@ def expert_score(q, task, result):
 
 
 # ---------------------------------------------------------------------------------------
+# Chat models: tools as JSON schemas, calls as <tool_call>{json}</tool_call>
+# ---------------------------------------------------------------------------------------
+def _tool(name, description, arg, arg_description):
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {arg: {"type": "string", "description": arg_description}},
+                       "required": [arg]}}}
+
+
+TOOLS = {
+    "sub_agent": _tool("sub_agent", "Ask the sub-agent, which can search, to look up one fact. It returns one word.",
+                       "task", "'<relation> of <name>', relation one of city, country, friend; e.g. 'city of ada'"),
+    "search": _tool("search", "Search the web. Returns results: title, url, snippet.", "query", "what to search for"),
+    "visit": _tool("visit", "Read the page at a url from the search results.", "url", "the url"),
+}
+# per agent: its tools, and (tool name -> (action tag, argument)) for parsing its calls
+CHAT_TOOLS = {"main": ("sub_agent",), "sub": ("search", "visit"), "single": ("search", "visit")}
+TOOL_ACTION = {"sub_agent": ("call", "task"), "search": ("search", "query"), "visit": ("visit", "url")}
+_WORLD = ("Facts read 'ada lives avon' (ada's city), 'avon in norland' (avon's country), 'ada friend bo'. "
+          "Reply with exactly one tool call, or with the final answer as <answer> word </answer>.")
+SYSTEM = {
+    "main": "You answer questions about people, cities and countries. You cannot search: call the sub_agent tool "
+            "with one sub-task at a time. " + _WORLD,
+    "sub": "You are a search agent: find the one word your task asks for (city of X: where X lives; country of "
+           "X: the country city X is in; friend of X). Search, read the results, visit a page if you need. " + _WORLD,
+    "single": "You answer questions about people, cities and countries. Search, read the results, visit a page "
+              "if you need. " + _WORLD,
+}
+_CHAT_ACTION = re.compile(r"^(?:(?!<tool_call>|<answer>).)*?(?:<tool_call>(.*?)</tool_call>|<answer>(.*?)</answer>)\s*$",
+                          re.S)
+
+
+def parse_chat_action(text, who):
+    """(tag, argument) of a chat model's turn, in the same tags as `parse_action`, or None.
+
+    Valid: any text (thoughts) with no second action, then exactly one
+    <tool_call>{"name": <one of this agent's tools>, "arguments": {<its argument>: "..."}}</tool_call>
+    or one <answer> ... </answer>, and nothing after it.
+    """
+    m = _CHAT_ACTION.match(text)
+    if not m:
+        return None
+    if m.group(2) is not None:
+        answer = " ".join(m.group(2).split())
+        return (TAGS[who][1], answer) if answer else None
+    try:
+        call = json.loads(m.group(1))
+        tag, key = TOOL_ACTION[call["name"]]
+        value = call["arguments"][key]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if call["name"] not in CHAT_TOOLS[who] or not isinstance(value, str) or not value.strip():
+        return None
+    return tag, " ".join(value.split())
+
+
+def action_text(tag, arg, chat=False):
+    """One assistant turn: '<tag> arg </tag>' for word-level models, a tool call or an
+    <answer> for chat models. The demos write their turns with it."""
+    if not chat:
+        return f"<{tag}> {arg} </{tag}>"
+    if tag in ("answer", "return"):
+        return f"<answer> {arg} </answer>"
+    name, key = next((n, k) for n, (t, k) in TOOL_ACTION.items() if t == tag)
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": {key: arg}}) + "\n</tool_call>"
+
+
+# A Qwen-style chat template (ChatML turns, tools listed in the system prompt, tool results
+# as <tool_response> in a user turn, a default system prompt): the models that `--chat`
+# builds in code use it, and the tests check the chat path with it.
+QWEN_STYLE_TEMPLATE = (  # (the tokenizer's jinja drops a newline right after a tag: newlines are in {{ }})
+    "{%- if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+    "{%- else %}{% set sys = 'You are a helpful assistant.' %}{% endif %}"
+    "<|im_start|>system{{ '\\n' + sys }}"
+    "{%- if tools %}{{ '\\n\\n# Tools\\n\\nYou may call one of these functions:\\n<tools>' }}"
+    "{%- for t in tools %}{{ '\\n' + t | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nCall one as:\\n<tool_call>\\n' }}"
+    '{"name": <function-name>, "arguments": <args-json-object>}{{ "\\n</tool_call>" }}{% endif %}'
+    "{{ '<|im_end|>\\n' }}"
+    "{%- for m in messages if m['role'] != 'system' %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHAT_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<answer>", "</answer>",
+              "<think>", "</think>"]
+
+
+def chat_tokenizer(vocab_size=768):
+    """A byte-level BPE tokenizer in Qwen's style (pad <|endoftext|>, eos <|im_end|>), its
+    merges learned from toy conversations in a second, with the Qwen-style template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    rng = random.Random(0)
+    corpus = [SYSTEM[w] + json.dumps([TOOLS[n] for n in CHAT_TOOLS[w]]) for w in SYSTEM]
+    corpus += 50 * [QWEN_STYLE_TEMPLATE, "system\nuser\nassistant\n"]
+    for s in range(300):
+        q = make_question(s, 1 + s % 2)
+        for msgs in (main_demo(q, rng, 0.2, chat=True), single_demo(q, rng, 0.2, chat=True),
+                     sub_demo(q, rng, 0.2, chat=True)):
+            corpus += [m["content"] for m in msgs]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=CHAT_SPECIAL, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken(t, normalized=False) for t in CHAT_ADDED])
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                padding_side="left")
+    t.chat_template = QWEN_STYLE_TEMPLATE
+    return t
+
+
+# ---------------------------------------------------------------------------------------
 # Scripted, deliberately noisy demonstrations for the cold start (stands in for stage 1)
 # ---------------------------------------------------------------------------------------
 def _noisy(rng, value, pool, p):
     return rng.choice(pool) if rng.random() < p else value
 
 
-def main_demo(q, rng, p, single=False):
+def main_demo(q, rng, p, single=False, chat=False):
     """A scripted main-agent conversation (messages) with entity slots corrupted w.p. p.
 
     The tool results are what a perfect sub-agent would return for the (maybe wrong)
     sub-task, so the demo also teaches the main agent to carry a result forward.
     single=True: the single agent's demo, the same chain with the searches inlined; it
-    reads every whole result list in its own context.
+    reads every whole result list in its own context. chat=True: turns as chat models write them.
     """
     kb = knowledge_base(q.seed, q.level)
     x = q.text.split()[-2]
     msgs = [{"role": "user", "content": q.text}]
     for rel in chain(q.level):
         x = _noisy(rng, x, RELATIONS[rel][1], p)
-        act = f"<search> {x} </search>" if single else f"<call> {rel} of {x} </call>"
-        obs = search_observation(search_results(q.seed, q.level, x)) if single else kb[(rel, x)]
+        act = action_text("search", x, chat) if single else action_text("call", f"{rel} of {x}", chat)
+        obs = search_observation(search_results(q.seed, q.level, x), chat) if single else kb[(rel, x)]
         msgs += [{"role": "assistant", "content": act}, {"role": "tool", "content": obs}]
         x = kb[(rel, x)]
-    msgs.append({"role": "assistant", "content": f"<answer> {_noisy(rng, x, COUNTRIES, p)} </answer>"})
+    msgs.append({"role": "assistant", "content": action_text("answer", _noisy(rng, x, COUNTRIES, p), chat)})
     return msgs
 
 
-def single_demo(q, rng, p):
-    return main_demo(q, rng, p, single=True)
+def single_demo(q, rng, p, chat=False):
+    return main_demo(q, rng, p, single=True, chat=chat)
 
 
-def sub_demo(q, rng, p):
-    """A scripted sub-agent conversation: one search, then return the value read off it."""
+def sub_demo(q, rng, p, chat=False):
+    """A scripted sub-agent conversation: one search, then return the value read off it.
+    Chat models visit the entity's page first in about a third of the demos."""
     kb = knowledge_base(q.seed, q.level)
     rel = rng.choice(chain(q.level))
     _, subjects, values = RELATIONS[rel]
     e = rng.choice(subjects)
     query = _noisy(rng, e, subjects, p)
-    obs = search_observation(search_results(q.seed, q.level, query))
+    results = search_results(q.seed, q.level, query)
+    obs = search_observation(results)
     found = re.search(rf"(?:^|; ){e} {RELATIONS[rel][0]} (\S+)", obs)
     value = found.group(1) if found else rng.choice(values)
-    return [{"role": "user", "content": f"{rel} of {e}"},
-            {"role": "assistant", "content": f"<search> {query} </search>"},
-            {"role": "tool", "content": obs},
-            {"role": "assistant", "content": f"<return> {_noisy(rng, value, values, p)} </return>"}]
+    msgs = [{"role": "user", "content": f"{rel} of {e}"},
+            {"role": "assistant", "content": action_text("search", query, chat)},
+            {"role": "tool", "content": search_observation(results, chat)}]
+    page = next((r["url"] for r in results if r["title"] == e), None)
+    if chat and page and rng.random() < 0.3:
+        msgs += [{"role": "assistant", "content": action_text("visit", page, chat)},
+                 {"role": "tool", "content": ToySearch().visit(page)}]
+    return msgs + [{"role": "assistant", "content": action_text("return", _noisy(rng, value, values, p), chat)}]
 
 
 if __name__ == "__main__":

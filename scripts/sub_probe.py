@@ -36,7 +36,7 @@ def main(argv=None):
     t0 = time.time()
     sub = mgrpo.load_agent(args.sub_model, args, seed=args.seed + 1)
     if args.sft_steps:
-        mgrpo.cold_start(sub, toy_tools.sub_demo, args, toy_tools.stable_seed(args.seed, "sft-sub"))
+        mgrpo.cold_start(sub, "sub", args, toy_tools.stable_seed(args.seed, "sft-sub"))
     search = toy_tools.ToySearch()
     what = [f"from {args.sub_model}"] if args.sub_model else []
     if args.sft_steps:

@@ -35,8 +35,8 @@ def main():
     for size in b.sizes:
         args = mgrpo.parse_args(["--model-size", size, "--sft-steps", str(b.sft_steps), "--device", b.device])
         main_a, sub_a = mgrpo.load_agent("", args, 0), mgrpo.load_agent("", args, 1)
-        mgrpo.cold_start(main_a, toy_tools.main_demo, args, 0)
-        mgrpo.cold_start(sub_a, toy_tools.sub_demo, args, 1)
+        mgrpo.cold_start(main_a, "main", args, 0)
+        mgrpo.cold_start(sub_a, "sub", args, 1)
         play = mgrpo.system(main_a, mgrpo.local_delegate(sub_a, args, search), args, search)
         recs = [mgrpo.train_step(main_a, play, s, args, sub_a) for s in range(b.steps + 2)][2:]
         m = {k: float(np.mean([r[k] for r in recs])) for k in

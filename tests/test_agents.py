@@ -23,7 +23,7 @@ def test_incremental_context_equals_chat_template(agents):
     main, _ = agents
     q = toy_tools.make_question(3, 2)
     msgs = toy_tools.main_demo(q, random.Random(0), 0.0)
-    t = mgrpo.encode_demo(main.tok, msgs)
+    t = mgrpo.encode_demo(main, msgs, "main")
     whole = main.tok(main.tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False).input_ids
     assert t.ids == whole
     # loss mask: exactly the assistant turns (with their eos), nothing else
@@ -33,7 +33,7 @@ def test_incremental_context_equals_chat_template(agents):
 
 def test_generation_logprobs_equal_recomputed_under_left_padding(agents):
     main, _ = agents
-    ctx = [mgrpo.render(main.tok, "user", text) for text in
+    ctx = [mgrpo.prompt_ids(main, "main", text) for text in
            ["country of ada ?", "country of friend of bo ?", "city of cy", "country of friend of friend of dex ?"]]
     outs = mgrpo.generate(main, ctx, 8, seed=0)
     trajs = [mgrpo.Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp)
@@ -98,7 +98,7 @@ def test_rollout_masks_tool_output_and_sub_results(args, agents):
         assert len(t.ids) == len(t.mask) == len(t.logp)
         assert all(lp == 0.0 for lp, m in zip(t.logp, t.mask) if not m)
         assert all(lp < 0.0 for lp, m in zip(t.logp, t.mask) if m)
-        prompt = mgrpo.render(main.tok if t in mains else sub.tok, "user", qs[0].text if t in mains else t.task)
+        prompt = mgrpo.prompt_ids(main, "main", qs[0].text) if t in mains else mgrpo.prompt_ids(sub, "sub", t.task)
         assert t.ids[:len(prompt)] == prompt and not any(t.mask[:len(prompt)])
 
 
@@ -112,7 +112,7 @@ def _grads(agent, trajs, adv, args):
 def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
     main, _ = agents
     demos = [toy_tools.main_demo(toy_tools.make_question(s, 1 + s % 2), random.Random(s), 0.3) for s in range(6)]
-    trajs = [mgrpo.encode_demo(main.tok, d) for d in demos]
+    trajs = [mgrpo.encode_demo(main, d, "main") for d in demos]
     for t in trajs:
         t.logp = [x - 2.0 * m for x, m in zip(t.logp, t.mask)]  # ratio != 1 somewhere
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 2.0, -0.2])
@@ -127,7 +127,7 @@ def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
 
 def test_non_finite_loss_fails_fast(args, agents):
     main, _ = agents
-    trajs = [mgrpo.encode_demo(main.tok, toy_tools.sub_demo(toy_tools.make_question(1, 1), random.Random(1), 0.0))]
+    trajs = [mgrpo.encode_demo(main, toy_tools.sub_demo(toy_tools.make_question(1, 1), random.Random(1), 0.0), "sub")]
     with pytest.raises(FloatingPointError):
         mgrpo.update_agent(copy.deepcopy(main), trajs, torch.tensor([float("nan")]), args)
 
@@ -137,8 +137,8 @@ def test_save_and_load_with_from_pretrained(tmp_path, args, agents):
     main.model.save_pretrained(tmp_path)
     main.tok.save_pretrained(tmp_path)
     loaded = mgrpo.load_agent(str(tmp_path), args, seed=123)
-    ids = torch.tensor([mgrpo.render(main.tok, "user", "country of ada ?")])
-    assert mgrpo.render(loaded.tok, "user", "country of ada ?") == ids[0].tolist()
+    ids = torch.tensor([mgrpo.prompt_ids(main, "main", "country of ada ?")])
+    assert mgrpo.prompt_ids(loaded, "main", "country of ada ?") == ids[0].tolist()
     with torch.no_grad():
         assert torch.allclose(main.model(ids).logits, loaded.model(ids).logits, atol=1e-6)
     assert loaded.stop_ids == main.stop_ids and loaded.suppress == main.suppress

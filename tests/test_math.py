@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+import mgrpo
 from mgrpo import align_sub_trajectories, group_advantages, main_reward, paper_D, policy_loss, sub_reward
 
 
@@ -137,3 +138,19 @@ def test_masked_tokens_get_no_gradient():
     old2[mask == 0] = 50.0
     loss2, _ = policy_loss(lp, old2, torch.tensor([1.0, -0.5, 2.0]), mask)
     assert loss2.item() == pytest.approx(loss.item())
+
+
+def test_kl_to_reference_is_k3_and_pulls_towards_the_reference():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0, -3.0]])
+    mask, adv = torch.tensor([[1, 1, 0]]), torch.tensor([0.0])  # no policy-gradient signal: only the KL
+    loss, st = mgrpo.policy_loss(logp, logp.detach(), adv, mask, ref_logp=ref, kl_coef=1.0, agg="token-mean")
+    k3 = lambda d: math.exp(d) - d - 1  # noqa: E731  (d = ref - logp)
+    assert st["kl_ref"] == pytest.approx((k3(0.0) + k3(1.0)) / 2)
+    assert loss.item() == pytest.approx((k3(0.0) + k3(1.0)) / 2)
+    loss.backward()
+    g = logp.grad[0]
+    assert g[0] == 0 and g[1] < 0 and g[2] == 0  # descent raises logp where it is below the reference
+    off, _ = mgrpo.policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, ref_logp=ref, kl_coef=0.0)
+    plain, _ = mgrpo.policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask)
+    assert off.item() == plain.item()  # kl_coef 0 (the default) is exactly the paper's loss

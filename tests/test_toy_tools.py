@@ -64,7 +64,29 @@ def test_level_2_results_are_long_and_noisy():
 def test_in_process_and_http_agree(server_url):
     local, http = tt.ToySearch(), tt.HttpSearch(server_url)
     for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 1, "avon"), (4, 2, "city of ada"), (5, 1, "???")]:
-        assert local.search(query, seed, level) == http.search(query, seed, level)
+        over_http = http.search(query, seed, level)
+        for r in over_http:  # the server points the results at its own pages
+            assert r["url"].startswith(server_url + "/page/")
+            r["url"] = r["url"].replace(server_url, "toy:/")
+        assert local.search(query, seed, level) == over_http
+
+
+def test_visit_reads_a_result_page_in_process_and_over_http(server_url):
+    local, http = tt.ToySearch(), tt.HttpSearch(server_url, retries=0)
+    for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 2, "avon")]:
+        for a, b in zip(local.search(query, seed, level), http.search(query, seed, level)):
+            page = http.visit(b["url"])
+            assert page == local.visit(a["url"]) and b["content"] + "." in page  # HTML stripped, same text
+    assert len(http.visit(b["url"], max_chars=7)) == 7
+    for bad in ("file:///etc/passwd", "toy://page/1/1/ada", "ftp://x"):
+        with pytest.raises(tt.SearchError, match="only http"):
+            http.visit(bad)
+    with pytest.raises(tt.SearchError, match="404"):
+        http.visit(server_url + "/page/1/1/nobody")
+    with pytest.raises(tt.SearchError, match="not a page"):
+        local.visit("http://example.com/")
+    html = "<html><head><title>T</title><style>p {}</style></head><body><script>x()</script><p>a &amp; b</p>c</body>"
+    assert tt.html_text(html) == "a & b c"
 
 
 def test_http_bad_request_and_down_server(server_url):

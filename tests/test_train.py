@@ -1,5 +1,6 @@
 """End to end: the command line, its outputs, reproducibility, and a run that learns."""
 import json
+import math
 import os
 import random
 import threading
@@ -10,7 +11,8 @@ import torch
 import mgrpo
 import toy_tools
 
-TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "t_store", "t_update", "gen_tokens_per_s", "train_tokens_per_s")
+TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "t_store", "t_update", "t_train_main", "t_train_sub", "t_gen_sub",
+          "gen_tokens_per_s", "train_tokens_per_s")
 SHORT = ["--steps", "3", "--sft-steps", "20", "--questions-per-step", "4", "--group-size", "4",
          "--eval-questions", "16", "--eval-every", "2"]
 
@@ -41,12 +43,12 @@ def test_short_run_writes_everything(tmp_path):
     state = torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=False)
     assert state["index"] == len(mgrpo.schedule(mgrpo.parse_args(SHORT))) and state["metrics_lines"] == 8
     assert state["opt"]["main"]["state"] and state["opt"]["sub"]["state"]
-    assert set(state["rng"]) == {"python", "numpy", "torch"}
+    assert set(state["rng"]) == {"python", "numpy", "torch", "cuda"}
     # the trained agents load back through the ordinary Hugging Face path
     args = mgrpo.parse_args([])
     for name in ("main", "sub"):
         agent = mgrpo.load_agent(os.path.join(out, name), args, seed=0)
-        assert agent.tok.decode(mgrpo.render(agent.tok, "user", "city of ada")) == "<user> city of ada <assistant>"
+        assert agent.tok.decode(mgrpo.prompt_ids(agent, name, "city of ada")) == "<user> city of ada <assistant>"
 
 
 def test_bad_arguments_fail_clearly(capsys):
@@ -104,11 +106,11 @@ def test_failed_search_is_an_observation_not_a_crash(cold_start_dir):
 def test_main_context_stays_short_single_agent_context_grows():
     """What delegation buys at level 2: M reads one word per sub-task; a single agent
     reads every result list (scripted demos, so the count is exact)."""
-    tok = toy_tools.toy_tokenizer()
+    agent = mgrpo.load_agent("", mgrpo.parse_args([]), seed=0)
     q = toy_tools.make_question(9, 2)
     rng = random.Random(0)
-    main_len = len(mgrpo.encode_demo(tok, toy_tools.main_demo(q, rng, 0.0)).ids)
-    single_len = len(mgrpo.encode_demo(tok, toy_tools.single_demo(q, rng, 0.0)).ids)
+    main_len = len(mgrpo.encode_demo(agent, toy_tools.main_demo(q, rng, 0.0), "main").ids)
+    single_len = len(mgrpo.encode_demo(agent, toy_tools.single_demo(q, rng, 0.0), "single").ids)
     assert single_len > 3 * main_len, (main_len, single_len)
 
 
@@ -163,3 +165,44 @@ def test_sub_probe_script_runs():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
     assert lines[-2].startswith("  level 1: city ") and lines[-1].startswith("  level 2: friend ")
+
+
+def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, monkeypatch):
+    """--dtype bfloat16 (autocast), gradient checkpointing, micro-batches and the KL to a
+    frozen reference together; a crash in step 3, then a resume that must find the same reference."""
+    opts = ["--main-model", cold_start_dir["main"], "--sub-model", cold_start_dir["sub"], "--sft-steps", "0",
+            "--questions-per-step", "4", "--group-size", "4", "--eval-questions", "8", "--eval-every", "0",
+            "--dtype", "bfloat16", "--grad-checkpointing", "--micro-batch", "8", "--kl-coef", "0.05",
+            "--steps", "3", "--lr", "3e-3", "--out", str(tmp_path)]
+    real_step = mgrpo.train_step
+
+    def crash_at_3(main, play, step, *a, **kw):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_step(main, play, step, *a, **kw)
+    monkeypatch.setattr(mgrpo, "train_step", crash_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        mgrpo.main(opts)
+    assert "memory estimate, main:" in capsys.readouterr().out
+    ref = mgrpo.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref" / "sub"))
+    start = mgrpo.load_agent(cold_start_dir["sub"], mgrpo.parse_args([]), seed=0).model
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), start.parameters()))  # S as RL started
+    monkeypatch.setattr(mgrpo, "train_step", real_step)
+    s = mgrpo.main(opts + ["--resume"])
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and s["steps"] == 3
+    assert rows[0]["kl_ref_main"] < 1e-4 < rows[2]["kl_ref_main"]  # the policy moves away from the reference
+    assert all(math.isfinite(r["grad_norm_main"]) for r in rows)
+
+
+def test_gradient_checkpointing_changes_no_gradient(cold_start_dir):
+    q = [toy_tools.make_question(s, 1) for s in range(4)]
+    grads = []
+    for ckpt in ([], ["--grad-checkpointing"]):
+        args = mgrpo.parse_args(["--micro-batch", "2"] + ckpt)
+        agent = mgrpo.load_agent(cold_start_dir["main"], args, seed=0)
+        trajs = [mgrpo.encode_demo(agent, toy_tools.main_demo(x, random.Random(0), 0.3), "main") for x in q]
+        agent.opt = torch.optim.SGD(agent.model.parameters(), lr=0.0)
+        mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]), args)
+        grads.append(torch.cat([p.grad.flatten() for p in agent.model.parameters()]))
+    assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)

@@ -1,0 +1,193 @@
+"""The chat path real instruct models take: a tiny Qwen2 with a Qwen-style chat template,
+saved to a folder and loaded back by name, tool calls as <tool_call> JSON, contexts grown
+as token ids; trained in one process and in two."""
+import copy
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mgrpo
+import toy_tools
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a short cold start: enough for valid tool calls and multi-turn rollouts, not for skill
+BUILD = ["--chat", "--model-size", "0.1M", "--sft-steps", "150", "--sft-batch", "16", "--sft-levels", "1",
+         "--max-new-tokens", "40"]
+RUN = ["--sft-steps", "0", "--questions-per-step", "2", "--group-size", "4", "--max-new-tokens", "40",
+       "--eval-questions", "4", "--eval-every", "0", "--peer-timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """Two tiny Qwen2 chat models, cold-started briefly and saved as Hugging Face folders."""
+    out = tmp_path_factory.mktemp("chat")
+    args = mgrpo.parse_args(BUILD)
+    for name, seed, who in (("main", 1, "main"), ("sub", 2, "sub")):
+        agent = mgrpo.load_agent("", args, seed)
+        mgrpo.cold_start(agent, who, args, seed)
+        agent.model.save_pretrained(out / name)
+        agent.tok.save_pretrained(out / name)
+    return {"main": str(out / "main"), "sub": str(out / "sub")}
+
+
+def test_chat_agent_loads_by_path_with_its_template(chat_dir):
+    agent = mgrpo.load_agent(chat_dir["sub"], mgrpo.parse_args([]), seed=0)
+    assert agent.chat and agent.tok.decode([agent.end[0]]) == "<|im_end|>" and agent.pad_id != agent.end[0]
+    text = agent.tok.decode(mgrpo.prompt_ids(agent, "sub", "city of ada"))
+    assert text.startswith("<|im_start|>system\n" + toy_tools.SYSTEM["sub"])
+    assert '"name": "search"' in text and '"name": "visit"' in text and '"name": "sub_agent"' not in text
+    assert text.endswith("<|im_start|>user\ncity of ada<|im_end|>\n<|im_start|>assistant\n")
+    # built in code and reloaded: the same ids for the same text
+    fresh = mgrpo.load_agent("", mgrpo.parse_args(["--chat"]), seed=0)
+    assert mgrpo.prompt_ids(fresh, "sub", "city of ada") == mgrpo.prompt_ids(agent, "sub", "city of ada")
+
+
+@pytest.mark.parametrize("who,demo", [("main", toy_tools.main_demo), ("sub", toy_tools.sub_demo),
+                                      ("single", toy_tools.single_demo)])
+def test_incremental_ids_equal_the_whole_conversation(chat_dir, who, demo):
+    agent = mgrpo.load_agent(chat_dir["main"], mgrpo.parse_args([]), seed=0)
+    tools = [toy_tools.TOOLS[n] for n in toy_tools.CHAT_TOOLS[who]]
+    for s in range(8):
+        msgs = demo(toy_tools.make_question(s, 1 + s % 2), random.Random(s), 0.1, chat=True)
+        t = mgrpo.encode_demo(agent, msgs, who)
+        whole = agent.tok.apply_chat_template([{"role": "system", "content": toy_tools.SYSTEM[who]}] + msgs,
+                                              tools=tools, tokenize=False)
+        assert agent.tok.decode(t.ids) + "\n" == whole  # the template adds a newline after the last turn
+        trained = [agent.tok.decode([i for i, m in zip(t.ids, t.mask) if m])]
+        assert trained == ["".join(m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")]
+
+
+def test_message_ids_survive_template_quirks(chat_dir):
+    """Qwen3-style templates render the last assistant turn with an empty think block, and
+    Qwen2.5-style ones add a default system prompt to a conversation without one: a tool
+    message rendered alone, or by diffing two renders, would carry either into the context."""
+    agent = mgrpo.load_agent(chat_dir["main"], mgrpo.parse_args([]), seed=0)
+    want = "\n<|im_start|>user\n<tool_response>\nbo\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert agent.tok.decode(mgrpo.message_ids(agent, "tool", "bo")) == want
+    quirky = copy.deepcopy(agent)
+    quirky.tok.chat_template = agent.tok.chat_template.replace(
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content']",
+        "{{ '<|im_start|>' + m['role'] + '\\n' + ('<think>\\n\\n</think>\\n\\n' if loop.last and "
+        "m['role'] == 'assistant' else '') + m['content']")
+    assert quirky.tok.chat_template != agent.tok.chat_template
+    assert "<think>" in quirky.tok.apply_chat_template([{"role": "user", "content": "a"},
+                                                        {"role": "assistant", "content": "b"}], tokenize=False)
+    assert quirky.tok.decode(mgrpo.message_ids(quirky, "tool", "bo")) == want
+
+
+def test_chat_actions_parse_or_get_format_zero():
+    call = '<tool_call>\n{"name": "search", "arguments": {"query": "ada"}}\n</tool_call>'
+    assert toy_tools.parse_chat_action(call, "sub") == ("search", "ada")
+    assert toy_tools.parse_chat_action("Let me look.\n" + call, "sub") == ("search", "ada")
+    assert toy_tools.parse_chat_action("<think>hm</think><answer> Norland </answer>", "main") == ("answer", "Norland")
+    assert toy_tools.parse_chat_action("<answer> avon </answer>", "sub") == ("return", "avon")
+    visit = '<tool_call>{"name": "visit", "arguments": {"url": "toy://page/1/1/ada"}}</tool_call>'
+    assert toy_tools.parse_chat_action(visit, "single") == ("visit", "toy://page/1/1/ada")
+    task = '<tool_call>{"name": "sub_agent", "arguments": {"task": "city of ada"}}</tool_call>'
+    assert toy_tools.parse_chat_action(task, "main") == ("call", "city of ada")
+    for bad, who in [(call, "main"),                      # a tool this agent does not have
+                     (task, "sub"),
+                     ('<tool_call>{"name": "search"}</tool_call>', "sub"),   # no arguments
+                     ('<tool_call>{"name": "search", "arguments": {"query": ""}}</tool_call>', "sub"),
+                     ('<tool_call>{"name": "search", "arguments": {"q": "ada"}}</tool_call>', "sub"),
+                     ('<tool_call>{"name": "search", "arguments": {"query": 3}}</tool_call>', "sub"),
+                     ("<tool_call>search ada</tool_call>", "sub"),           # not JSON
+                     ('<tool_call>["search"]</tool_call>', "sub"),
+                     ("<tool_call>" + call, "sub"),                           # nested
+                     (call + call, "sub"), (call + "<answer> x </answer>", "sub"),
+                     (call + " and more", "sub"), ("<answer> </answer>", "main"),
+                     ("norland", "main"), ("", "main"), ("<answer> x", "main")]:
+        assert toy_tools.parse_chat_action(bad, who) is None, bad
+    for tag, arg, who in [("call", "city of ada", "main"), ("search", "bo", "sub"), ("visit", "toy://page/1/1/bo", "sub"),
+                          ("answer", "midia", "main"), ("return", "avon", "sub")]:
+        assert toy_tools.parse_chat_action(toy_tools.action_text(tag, arg, chat=True), who) == (tag, arg)
+
+
+def _record_generate(monkeypatch):
+    sampled = []
+    real = mgrpo.generate
+
+    def generate(agent, contexts, max_new_tokens, seed, greedy=False):
+        out = real(agent, contexts, max_new_tokens, seed, greedy)
+        sampled.extend((tuple(new), tuple(lp)) for new, lp, _ in out)
+        return out
+    monkeypatch.setattr(mgrpo, "generate", generate)
+    return sampled
+
+
+def test_chat_training_one_process_trains_on_the_sampled_ids(chat_dir, tmp_path, monkeypatch):
+    sampled = _record_generate(monkeypatch)
+    trained = []
+    real_update = mgrpo.update_agent
+
+    def update_agent(agent, trajs, adv, args):
+        trained.extend(copy.deepcopy(trajs))
+        return real_update(agent, trajs, adv, args)
+    monkeypatch.setattr(mgrpo, "update_agent", update_agent)
+    s = mgrpo.main(RUN + ["--main-model", chat_dir["main"], "--sub-model", chat_dir["sub"], "--steps", "2",
+                          "--out", str(tmp_path)])
+    assert s["steps"] == 2
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in rows if "eval" not in r]
+    assert sum(r["sub_calls"] for r in steps) > 0  # M delegated: S's loops ran and S trained
+    assert any("approx_kl_sub" in r for r in steps)
+    samples = {}
+    for ids, lps in sampled:  # the same ids may be sampled again, after an update with other log-probs
+        samples.setdefault(ids, []).append(lps)
+    multi_turn = 0
+    for t in trained:
+        runs, cur = [], []
+        for i, m, lp in zip(t.ids, t.mask, t.logp):  # each mask-1 run is one sampled turn
+            if m:
+                cur.append((i, lp))
+            elif cur:
+                runs.append(cur)
+                cur = []
+        runs += [cur] if cur else []
+        for run in runs:
+            ids, lps = tuple(i for i, _ in run), tuple(lp for _, lp in run)
+            assert lps in samples.get(ids, [])  # the exact ids sampled, with their sampling log-probs
+        multi_turn += len(runs) > 1
+    assert multi_turn > 0
+    # fp32, one epoch: the recomputed log-probs equal the sampling ones (ratio 1)
+    for r in steps:
+        assert r["approx_kl_main"] < 1e-6 and r.get("approx_kl_sub", 0.0) < 1e-6
+
+
+def test_chat_two_processes(chat_dir, tmp_path):
+    store = str(tmp_path / "store")
+    common = RUN + ["--steps", "2", "--store", store, "--run-id", "chat"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, "mgrpo.py", "--role", role, f"--{role}-model", chat_dir[role],
+                               "--out", str(tmp_path / role)] + common,
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for role in ("main", "sub")]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    sub_rows = [json.loads(line) for line in open(tmp_path / "sub" / "metrics.jsonl")]
+    main_rows = [json.loads(line) for line in open(tmp_path / "main" / "metrics.jsonl")]
+    main_steps = [r for r in main_rows if "eval" not in r]
+    assert [r["step"] for r in sub_rows] == [1, 2] and [r["step"] for r in main_steps] == [1, 2]
+    assert sum(r["sub_calls"] for r in main_steps) > 0 and sum(r["gen_tokens_sub"] for r in sub_rows) > 0
+    assert any("approx_kl_sub" in r for r in sub_rows)
+    for r in sub_rows:
+        assert r.get("approx_kl_sub", 0.0) < 1e-6
+    for r in main_steps:
+        assert r["approx_kl_main"] < 1e-6
+
+
+def test_gpu_check_script_dry_run_on_cpu(tmp_path):
+    """The GPU check's whole path (build, cold start, two processes, figures) on a CPU."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--device", "cpu",
+                        "--size", "0.1M", "--steps", "2", "--sft-steps", "3", "--questions", "2",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "2 steps of the two-process run" in r.stdout and "main: training" in r.stdout
+    res = json.load(open(tmp_path / "gpu_check.json"))
+    assert res["main"]["train_tokens_per_s"] > 0 and res["params"]["main"] > 0

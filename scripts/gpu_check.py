@@ -47,14 +47,14 @@ def main():
     p.add_argument("--steps", type=int, default=6, help="M-GRPO steps of the two-process run")
     p.add_argument("--sft-steps", type=int, default=300, help="cold-start steps per agent")
     p.add_argument("--questions", type=int, default=8, help="questions per step (K = 8 rollouts each)")
-    p.add_argument("--lr", type=float, default=3e-5, help="M-GRPO learning rate (3e-4, the tiny models', "
-                   "collapsed the 30M ones within 4 steps)")
+    p.add_argument("--lr", type=float, default=3e-5, help="M-GRPO learning rate (at the tiny models' "
+                   "3e-4 the 30M ones collapsed within 4 steps)")
     p.add_argument("--role-args", default="", help="more mgrpo.py options for both roles, e.g. '--grad-checkpointing'")
     p.add_argument("--models", default="", help="a folder with main/ and sub/ from an earlier check: skip the build")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:1, ...; cpu for a dry run")
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="the GPU's dense bf16 peak for MFU (H100/H200 SXM datasheet: 989)")
-    p.add_argument("--out", default="runs/gpu_check")
+    p.add_argument("--out", default="runs/gpu_check", help="models, logs, metrics and gpu_check.json go here")
     b = p.parse_args()
     os.makedirs(b.out, exist_ok=True)
     cuda = b.device.startswith("cuda")

@@ -191,3 +191,39 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path):
     assert "2 steps of the two-process run" in r.stdout and "main: training" in r.stdout
     res = json.load(open(tmp_path / "gpu_check.json"))
     assert res["main"]["train_tokens_per_s"] > 0 and res["params"]["main"] > 0
+
+
+def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypatch):
+    """S's loop with scripted chat turns against the toy HTTP server: a search, a visit of a
+    result's page, a visit that fails (an observation, not a crash), then the answer."""
+    import threading
+    srv = toy_tools.make_server(0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    args = mgrpo.parse_args(["--sub-max-turns", "4", "--search-retries", "0"])
+    agent = mgrpo.load_agent(chat_dir["sub"], args, seed=0)
+    q = toy_tools.make_question(5, 1)
+    search = toy_tools.HttpSearch(url, retries=0)
+    try:
+        page = next(r["url"] for r in search.search("ada", q.seed, q.level) if r["title"] == "ada")
+        city = toy_tools.knowledge_base(q.seed, q.level)[("city", "ada")]
+        script = [toy_tools.action_text("search", "ada", chat=True), toy_tools.action_text("visit", page, chat=True),
+                  toy_tools.action_text("visit", url + "/page/5/1/nobody", chat=True),
+                  toy_tools.action_text("return", city, chat=True)]
+        turns = iter(script)
+
+        def scripted(agent_, contexts, max_new_tokens, seed, greedy=False):
+            ids = agent_.tok(next(turns), add_special_tokens=False).input_ids + [agent_.end[0]]
+            return [(ids, [-0.5] * len(ids), True) for _ in contexts]
+        monkeypatch.setattr(mgrpo, "generate", scripted)
+        (t,) = mgrpo.run_sub_agents(agent, ["city of ada"], [q], args, search, seed=0)
+    finally:
+        srv.shutdown()
+    assert t.ok and t.result == city
+    tool_msgs = agent.tok.decode([i for i, m in zip(t.ids, t.mask) if not m]).split("<tool_response>\n")[1:]
+    assert len(tool_msgs) == 3
+    assert tool_msgs[0].startswith(f"[1] ") and "(" + url + "/page/" in tool_msgs[0]   # results with their urls
+    assert tool_msgs[1].startswith(f"ada. ada lives {city}.")                          # the page, HTML stripped
+    assert tool_msgs[2].startswith("error: visit") and "404" in tool_msgs[2]
+    trained = agent.tok.decode([i for i, m in zip(t.ids, t.mask) if m])
+    assert trained == "".join(s + "<|im_end|>" for s in script)

@@ -368,12 +368,35 @@ def max_new(agent, args):
     return args.max_new_tokens or (256 if agent.chat else 8)
 
 
+class SampledLogprobs(transformers.LogitsProcessor):
+    """Inside `generate`: log p(sampled token) under the raw logits, i.e. the temperature-1
+    policy that training recomputes, taken one step at a time; and `suppress` is never sampled.
+
+    One step's log-softmax is kept, not every step's logits (`output_logits` would hold
+    new tokens x batch x vocabulary floats: 20 GB for 512 tokens of 64 rows of Qwen's vocabulary).
+    """
+    def __init__(self, suppress):
+        self.suppress, self.prev, self.logp = list(suppress), None, []
+
+    def __call__(self, input_ids, scores):
+        if self.prev is not None:  # the token sampled from the previous step's scores
+            self.logp.append(self.prev.gather(-1, input_ids[:, -1:])[:, 0])
+        self.prev = scores.float().log_softmax(-1)
+        if self.suppress:
+            scores = scores.clone()
+            scores[:, self.suppress] = -math.inf
+        return scores
+
+    def result(self, new):
+        """[B, new tokens] log-probs; the last token's comes from the last step kept."""
+        return torch.stack(self.logp + [self.prev.gather(-1, new[:, -1:])[:, 0]], 1)
+
+
 @torch.no_grad()
 def generate(agent, contexts, max_new_tokens, seed, greedy=False):
     """One batched `generate` call: per context, (new ids, their log-probs, ended?).
 
-    Left padding with an explicit attention mask. Log-probs come from the raw logits
-    (`output_logits`), i.e. the temperature-1 policy that training recomputes.
+    Left padding with an explicit attention mask; log-probs from `SampledLogprobs`.
     """
     pad = agent.pad_id
     L = max(map(len, contexts))
@@ -387,13 +410,13 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False):
     # A fresh config, not the model's: a hub model's own top_k / top_p / repetition penalty
     # would sample from another distribution than the policy that training scores.
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=list(agent.stop_ids),
-                           suppress_tokens=list(agent.suppress) or None, output_logits=True,
-                           return_dict_in_generate=True,
                            **(dict(do_sample=False) if greedy else dict(do_sample=True, top_k=0, top_p=1.0)))
+    rec = SampledLogprobs(agent.suppress)
     with agent.autocast():
-        out = agent.model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=cfg)
-    new = out.sequences[:, L:]
-    logp = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0]
+        out = agent.model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=cfg,
+                                   logits_processor=transformers.LogitsProcessorList([rec]))
+    new = out[:, L:]
+    logp = rec.result(new)
     res = []
     for row, lp in zip(new.tolist(), logp.tolist()):
         # The length comes from the first stop token, never from a pad mask: pad may equal eos.

@@ -138,7 +138,7 @@ def stable_seed(*parts):
 def search_results(seed, level, query):
     """The search engine: facts about the entities named in `query`, among distractors."""
     kb = knowledge_base(seed, level)
-    words = set(query.split())
+    words = set(re.findall(r"[a-z]+", query.lower()))  # "Ada?" finds ada too (chat models)
     n = N_SNIPPETS[level]
     hits = [k for k in kb if k[1] in words][:n]
     rng = random.Random(stable_seed(seed, level, query))
@@ -272,8 +272,8 @@ class _Handler(BaseHTTPRequestHandler):
                 for r in results:  # the pages live on this server
                     r["url"] = r["url"].replace("toy:/", f"http://{self.headers.get('Host', 'localhost')}", 1)
                 code, body = 200, json.dumps({"query": query, "results": results})
-            elif u.path.startswith("/page/") and _toy_page("toy:/" + u.path) is not None:
-                title, text = _toy_page("toy:/" + u.path).split(" ", 1)
+            elif u.path.startswith("/page/") and (page := _toy_page("toy:/" + u.path)) is not None:
+                title, text = page.split(" ", 1)
                 ctype, code = "text/html; charset=utf-8", 200
                 body = (f"<html><head><title>{title}</title><style>p {{margin: 0}}</style></head>"
                         f"<body><h1>{title}</h1><p>{text.replace('. ', '.<br>')}</p></body></html>")
@@ -321,7 +321,7 @@ def parse_action(text, allowed):
 
 def parse_subtask(task):
     """'city of ada' -> ('city', 'ada'); None if it asks for no known relation."""
-    w = task.split()
+    w = task.lower().split()
     if len(w) == 3 and w[0] in RELATIONS and w[1] == "of":
         return w[0], w[2]
     return None
@@ -329,7 +329,7 @@ def parse_subtask(task):
 
 def answer_correct(q, answer):
     """r_correct of the main agent."""
-    return answer is not None and answer.strip() == q.answer
+    return answer is not None and answer.strip().lower() == q.answer
 
 
 def expert_score(q, task, result):
@@ -338,7 +338,7 @@ def expert_score(q, task, result):
     if parsed is None or result is None:
         return 0.0
     truth = knowledge_base(q.seed, q.level).get(parsed)
-    return float(truth is not None and result.strip() == truth)
+    return float(truth is not None and result.strip().lower() == truth)
 
 
 # ---------------------------------------------------------------------------------------

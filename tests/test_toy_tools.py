@@ -170,6 +170,9 @@ def test_reward_checkers():
     assert tt.expert_score(q, "country of ada", "x") == 0.0  # ada is no city: asks for nothing
     assert tt.expert_score(q, "banana", "x") == 0.0
     assert tt.expert_score(q, "city of ada", None) == 0.0
+    # what chat models write: capitals, punctuation
+    assert tt.answer_correct(q, " " + q.answer.capitalize()) and tt.expert_score(q, "City of Ada", kb[("city", "ada")].upper())
+    assert tt.fact_text("city", "ada", kb[("city", "ada")]) in [r["content"] for r in tt.search_results(9, 2, "Ada?")]
 
 
 def test_noisy_demos_are_noisy_and_in_vocabulary():

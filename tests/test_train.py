@@ -206,3 +206,13 @@ def test_gradient_checkpointing_changes_no_gradient(cold_start_dir):
         mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]), args)
         grads.append(torch.cat([p.grad.flatten() for p in agent.model.parameters()]))
     assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_help_lists_every_option_with_its_docstring(capsys):
+    with pytest.raises(SystemExit) as e:
+        mgrpo.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "option_strings" not in out
+    for f in mgrpo.dataclasses.fields(mgrpo.Args):
+        assert "--" + f.name.replace("_", "-") in out
+    assert "31% fewer" in " ".join(out.split())

@@ -1038,25 +1038,6 @@ def evaluate(play, args, greedy=False, chunk=256):
     return float(np.mean(ok))
 
 
-def memory_estimate(agent, who, args):
-    """A rough estimate of one agent's training memory in GiB, printed at start-up: (fp32
-    weights, grads and AdamW states at 16 bytes a parameter, plus the frozen reference;
-    activations and logits of one micro-batch of the longest contexts the limits allow)."""
-    cfg = getattr(agent.model.config, "text_config", agent.model.config)
-    n = sum(p.numel() for p in agent.model.parameters())
-    turns = args.sub_max_turns if who == "sub" else args.main_max_turns
-    obs = 30 if who == "main" else (args.visit_max_chars // 3 if agent.chat else 60)  # tokens per tool result
-    T = len(prompt_ids(agent, who, "x" * 40)) + turns * (max_new(agent, args) + obs)
-    B = args.questions_per_step * args.group_size * (args.max_sub if who == "sub" else 1)
-    mb = min(args.micro_batch or B, B)
-    # per token: activations (~34 h bytes a layer in 16 bits, ~2 h kept with checkpointing),
-    # and logits in bf16 or fp32 + their fp32 log-softmax + its gradient (~10-12 bytes a vocab entry)
-    act = cfg.num_hidden_layers * cfg.hidden_size * (2 if args.grad_checkpointing else 34) * (1 if agent.bf16 else 2)
-    per_tok = act + (10 if agent.bf16 else 12) * cfg.vocab_size
-    static = n * (16 + (2 if agent.bf16 else 4) * (args.kl_coef > 0))
-    return static / 2 ** 30, mb * T * per_tok / 2 ** 30, mb, T
-
-
 def paper_D(d_values, p=0.99):
     """The paper's rule: the smallest D with P(d_k <= D) >= p."""
     d = np.sort(np.asarray(d_values))
@@ -1112,6 +1093,25 @@ def load_checkpoint(out, names, args):
 # =======================================================================================
 SHARED_ARGS = ("seed", "steps", "mode", "questions_per_step", "group_size", "max_sub", "level", "eval_every",
                "eval_questions", "unsync", "w_sub")  # what the two roles must agree on
+
+
+def memory_estimate(agent, who, args):
+    """A rough estimate of one agent's training memory in GiB, printed at start-up: (fp32
+    weights, grads and AdamW states at 16 bytes a parameter, plus the frozen reference;
+    activations and logits of one micro-batch of the longest contexts the limits allow)."""
+    cfg = getattr(agent.model.config, "text_config", agent.model.config)
+    n = sum(p.numel() for p in agent.model.parameters())
+    turns = args.sub_max_turns if who == "sub" else args.main_max_turns
+    obs = 30 if who == "main" else (args.visit_max_chars // 3 if agent.chat else 60)  # tokens per tool result
+    T = len(prompt_ids(agent, who, "x" * 40)) + turns * (max_new(agent, args) + obs)
+    B = args.questions_per_step * args.group_size * (args.max_sub if who == "sub" else 1)
+    mb = min(args.micro_batch or B, B)
+    # per token: activations (~34 h bytes a layer in 16 bits, ~2 h kept with checkpointing),
+    # and logits in bf16 or fp32 + their fp32 log-softmax + its gradient (~10-12 bytes a vocab entry)
+    act = cfg.num_hidden_layers * cfg.hidden_size * (2 if args.grad_checkpointing else 34) * (1 if agent.bf16 else 2)
+    per_tok = act + (10 if agent.bf16 else 12) * cfg.vocab_size
+    static = n * (16 + (2 if agent.bf16 else 4) * (args.kl_coef > 0))
+    return static / 2 ** 30, mb * T * per_tok / 2 ** 30, mb, T
 
 
 def progress_line(rec, steps):

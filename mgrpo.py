@@ -288,11 +288,12 @@ def load_agent(name, args, seed):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Which stop token closes an assistant turn in the template, and how much text it takes
     after = chat_suffix(tok, "user", "?")
-    end = next(((i, m.end()) for i in sorted(stop) for m in [re.match(r"\s*" + re.escape(tok.decode([i])), after)]
-                if m and tok.decode([i])), None)
+    texts = {i: tok.decode([i]) for i in sorted(stop)}
+    end = next(((i, m.end()) for i, t in texts.items() if t for m in [re.match(r"\s*" + re.escape(t), after)] if m),
+               None)
     if end is None:
         raise ValueError(f"{name}: the chat template ends an assistant turn with {after[:30]!r}, which starts "
-                         f"with none of the stop tokens {[tok.decode([i]) for i in stop]}")
+                         f"with none of the stop tokens {list(texts.values())}")
     return Agent(model, tok, opt, tuple(sorted(stop)), tuple(sorted(suppress)), pad,
                  chat=tok.chat_template != toy_tools.CHAT_TEMPLATE, end=end, bf16=args.dtype == "bfloat16")
 

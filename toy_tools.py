@@ -495,7 +495,6 @@ def single_demo(q, rng, p, chat=False):
 def sub_demo(q, rng, p, chat=False):
     """A scripted sub-agent conversation: one search, then return the value read off it.
     Chat models visit the entity's page first in about a third of the demos."""
-    kb = knowledge_base(q.seed, q.level)
     rel = rng.choice(chain(q.level))
     _, subjects, values = RELATIONS[rel]
     e = rng.choice(subjects)

@@ -67,15 +67,13 @@ def main():
                               "bfloat16" if cuda else "float32", "--sft-steps", str(b.sft_steps),
                               "--sft-batch", "32", "--sft-lr", "1e-3", "--max-new-tokens", "48"])
     t0 = time.time()
-    n_params = {}
     models = b.models or os.path.join(b.out, "models")
     for name, seed, who in [] if b.models else (("main", 1, "main"), ("sub", 2, "sub")):
         agent = mgrpo.load_agent("", build, seed)
-        n_params[name] = sum(x.numel() for x in agent.model.parameters())
         loss = mgrpo.cold_start(agent, who, build, seed) if b.sft_steps else float("nan")
         agent.model.save_pretrained(os.path.join(models, name))
         agent.tok.save_pretrained(os.path.join(models, name))
-        print(f"{name}: {n_params[name] / 1e6:.1f}M params, cold start {b.sft_steps} steps, loss {loss:.3f}",
+        print(f"{name}: {sum(x.numel() for x in agent.model.parameters()) / 1e6:.1f}M params, cold start {b.sft_steps} steps, loss {loss:.3f}",
               flush=True)
         del agent
     print(f"built and cold-started in {time.time() - t0:.0f}s" if not b.models else f"models from {b.models}",

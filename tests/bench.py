@@ -13,7 +13,6 @@ import argparse
 import os
 import resource
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402

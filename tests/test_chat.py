@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import mgrpo
 import toy_tools
@@ -222,7 +221,7 @@ def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypa
     assert t.ok and t.result == city
     tool_msgs = agent.tok.decode([i for i, m in zip(t.ids, t.mask) if not m]).split("<tool_response>\n")[1:]
     assert len(tool_msgs) == 3
-    assert tool_msgs[0].startswith(f"[1] ") and "(" + url + "/page/" in tool_msgs[0]   # results with their urls
+    assert tool_msgs[0].startswith("[1] ") and "(" + url + "/page/" in tool_msgs[0]   # results with their urls
     assert tool_msgs[1].startswith(f"ada. ada lives {city}.")                          # the page, HTML stripped
     assert tool_msgs[2].startswith("error: visit") and "404" in tool_msgs[2]
     trained = agent.tok.decode([i for i, m in zip(t.ids, t.mask) if m])

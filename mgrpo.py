@@ -35,25 +35,31 @@ runs them (and `--unsync`) in stage 2 of the paper's two-stage curriculum.
     python mgrpo.py              # CPU demo: cold start, then M-GRPO on the toy task
     python mgrpo.py --help
 """
-import ast
 import argparse
+import ast
 import dataclasses
+import fcntl
+import functools
 import inspect
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
+import secrets
 import shutil
+import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import toy_tools
 
@@ -91,6 +97,9 @@ class Args:
     dtype: str = "float32"
     """float32, or bfloat16: matmuls in bf16 (autocast) over fp32 weights and AdamW states; pure
     bf16 weights would round away updates at lr 1e-6"""
+    cuda_graphs: bool = True
+    """on a GPU, decode with CUDA graphs over a static KV cache (checked against the eager loop on
+    first use, which it falls back to); --no-cuda-graphs for the eager loop"""
     grad_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, slower (M: 31% fewer training
     tokens/s in the GPU check)"""
@@ -103,17 +112,21 @@ class Args:
     """seconds per search request"""
     search_retries: int = 2
     """retries of a search request that timed out, failed to connect or got a 5xx answer"""
+    visit_hosts: str = ""
+    """hosts (comma-separated) whose pages the agents may visit beyond the URLs of their own search
+    results, which is all they may visit otherwise"""
     visit_max_chars: int = 2000
     """chat models' visit tool: page text is cut to this many characters"""
     out: str = ""
     """output folder; empty: runs/<time>-seed<seed>"""
-    sft_steps: int = 1200
-    """cold-start steps on noisy scripted demos (stands in for stage 1); 0 skips it"""
+    sft_steps: int = -1
+    """cold-start steps on noisy scripted demos (stands in for stage 1); 0 skips it; -1: 600 for
+    a model built in code, 0 for one given by --main-model / --sub-model"""
     sft_levels: str = ""
     """task levels of the cold-start demos, e.g. '1,2' (taken in turn); empty: --level"""
     sft_batch: int = 64
     """demos per cold-start step, per agent"""
-    sft_lr: float = 3e-3
+    sft_lr: float = 1.5e-3
     """cold-start learning rate"""
     demo_noise: float = 0.1
     """probability that a demo replaces an entity by a random one (about half the demos end wrong)"""
@@ -144,8 +157,9 @@ class Args:
     """eq. 4: R_M = w * r_format + (1 - w) * r_correct when the format is valid, else 0"""
     w_sub: tuple = (0.1, 0.4, 0.5)
     """eq. 5: weights of r_format, r_correct_main, r_expert in R_S"""
-    eval_questions: int = 256
-    """held-out questions per evaluation (fixed seed, same for every run)"""
+    eval_questions: int = -1
+    """held-out questions per evaluation (fixed seed, same for every run); -1: 256 for the
+    word-level models built in code, 32 when a model is given or built with --chat (long turns)"""
     eval_every: int = 50
     """evaluate every N steps as well as before and after RL; 0 = before and after only"""
     role: str = "both"
@@ -163,6 +177,9 @@ class Args:
     """checkpoint every N steps (and after each evaluation); resume restarts from the last one"""
     peer_timeout: float = 60.0
     """seconds without a heartbeat from the other role before this one stops with an error"""
+    progress_timeout: float = 0.0
+    """seconds a role waits for one record from its live peer before it stops, naming the phase;
+    0 waits as long as the peer is alive"""
 
 
 def parse_args(argv=None):
@@ -178,7 +195,7 @@ def parse_args(argv=None):
         if f.type is tuple:
             kw.update(type=float, nargs=len(f.default))
         elif f.type is bool:
-            kw["action"] = "store_true"
+            kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = type(f.default)
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
@@ -192,11 +209,11 @@ def parse_args(argv=None):
         (a.unsync and a.mode != "co-train", "--unsync changes how S trains: it needs --mode co-train"),
         (a.loss_agg not in ("seq-mean", "token-mean"), "--loss-agg must be seq-mean or token-mean"),
         (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
-        (min(a.steps, a.sft_steps, a.micro_batch, a.max_new_tokens) < 0,
-         "--steps, --sft-steps, --micro-batch, --max-new-tokens must be >= 0"),
+        (min(a.steps, a.micro_batch, a.max_new_tokens) < 0 or a.sft_steps < -1 or a.eval_questions < -1,
+         "--steps, --micro-batch, --max-new-tokens must be >= 0, --sft-steps and --eval-questions >= -1"),
         (a.dtype not in ("float32", "bfloat16"), "--dtype must be float32 or bfloat16"),
         (a.kl_coef < 0 or a.visit_max_chars < 1, "--kl-coef must be >= 0 and --visit-max-chars >= 1"),
-        (min(a.questions_per_step, a.ppo_epochs, a.eval_questions) < 1,
+        (min(a.questions_per_step, a.ppo_epochs, a.eval_questions) == 0 or min(a.questions_per_step, a.ppo_epochs) < 0,
          "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
         (bool(a.sft_levels) and not set(a.sft_levels.split(",")) <= {"1", "2"},
          "--sft-levels must list levels 1 and/or 2, e.g. 1,2"),
@@ -204,11 +221,14 @@ def parse_args(argv=None):
         (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
         (a.resume and not a.out, "--resume needs the --out of the run to continue"),
-        (a.save_every < 1 or a.peer_timeout <= 0, "--save-every must be >= 1 and --peer-timeout > 0"),
+        (a.save_every < 1 or a.peer_timeout <= 0 or a.progress_timeout < 0,
+         "--save-every must be >= 1, --peer-timeout > 0 and --progress-timeout >= 0"),
         (a.search_timeout <= 0 or a.search_retries < 0, "--search-timeout must be > 0, --search-retries >= 0"),
     ] if bad]
     if errors:
         p.error("; ".join(errors))
+    if a.eval_questions == -1:
+        a.eval_questions = 32 if a.main_model or a.sub_model or a.chat else 256
     return a
 
 
@@ -246,9 +266,12 @@ class Agent:
     end: tuple = (0, 0)    # (id, length of its text) of the stop token that closes an assistant turn
     ref: torch.nn.Module = None  # frozen reference for --kl-coef
     bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights
+    splits: dict = field(default_factory=dict)  # render_ids: (template, key) -> (head, tail) or None
+    graphs: dict = None    # --cuda-graphs on a GPU: (rows, cache slots) -> GraphDecoder
 
-    def autocast(self):
-        return torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+    def autocast(self, cache_enabled=True):  # a CUDA graph's capture needs cache_enabled=False
+        return torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.bf16,
+                              cache_enabled=cache_enabled)
 
 
 def tiny_model(tok, size, seed, chat=False):
@@ -295,7 +318,8 @@ def load_agent(name, args, seed):
         raise ValueError(f"{name}: the chat template ends an assistant turn with {after[:30]!r}, which starts "
                          f"with none of the stop tokens {list(texts.values())}")
     return Agent(model, tok, opt, tuple(sorted(stop)), tuple(sorted(suppress)), pad,
-                 chat=tok.chat_template != toy_tools.CHAT_TEMPLATE, end=end, bf16=args.dtype == "bfloat16")
+                 chat=tok.chat_template != toy_tools.CHAT_TEMPLATE, end=end, bf16=args.dtype == "bfloat16",
+                 graphs={} if args.cuda_graphs and model.device.type == "cuda" else None)
 
 
 # =======================================================================================
@@ -313,29 +337,45 @@ def chat_suffix(tok, role, content):
     message, then the prompt for the next assistant turn."""
     text = tok.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": MARK},
                                     {"role": role, "content": content}], add_generation_prompt=True, tokenize=False)
-    return text[text.rindex(MARK) + len(MARK):]
+    return text[text.index(MARK) + len(MARK):]
+
+
+def render_ids(agent, key, render, content):
+    """Token ids of render(content). A template that pastes the content in unchanged is
+    rendered once per key, as head + content + tail (checked on two probes); one that
+    transforms the content (trims it, say) is rendered for every call."""
+    content = content.encode("utf-8", "replace").decode("utf-8")  # no lone surrogate reaches a tokenizer
+    k = (agent.tok.chat_template, key)
+    if k not in agent.splits:
+        a, b = "\x01A\x01", " \n\x02B \x02\n "
+        ra, rb = render(a), render(b)
+        head, _, tail = ra.partition(a)
+        agent.splits[k] = (head, tail) if a in ra and rb == head + b + tail else None
+    split = agent.splits[k]
+    text = split[0] + content + split[1] if split else render(content)
+    return agent.tok(text, add_special_tokens=False).input_ids
 
 
 def message_ids(agent, role, content):
     """Ids of one message (a tool result) and the next assistant prompt, to append after an
     assistant turn, which ends with the stop token the model sampled (`agent.end`)."""
-    return agent.tok(chat_suffix(agent.tok, role, content)[agent.end[1]:], add_special_tokens=False).input_ids
+    return render_ids(agent, role, lambda c: chat_suffix(agent.tok, role, c)[agent.end[1]:], content)
 
 
 def prompt_ids(agent, who, content):
     """Ids of a new conversation: the user message (for chat models after a system prompt that
     describes the agent's tools) and the assistant prompt. who: main, sub or single."""
-    msgs, kw = [{"role": "user", "content": content}], {}
+    kw, system = {}, []
     if agent.chat:
         tools = [toy_tools.TOOLS[n] for n in toy_tools.CHAT_TOOLS[who]]
-        system = toy_tools.SYSTEM[who]
+        text = toy_tools.SYSTEM[who]
         if "tools" in agent.tok.chat_template:
             kw["tools"] = tools
         else:  # a template that cannot list tools: they go into the system prompt as JSON
-            system += "\nTools:\n" + "\n".join(json.dumps(t) for t in tools)
-        msgs.insert(0, {"role": "system", "content": system})
-    text = agent.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
-    return agent.tok(text, add_special_tokens=False).input_ids
+            text += "\nTools:\n" + "\n".join(json.dumps(t) for t in tools)
+        system = [{"role": "system", "content": text}]
+    return render_ids(agent, "prompt-" + who, lambda c: agent.tok.apply_chat_template(
+        system + [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False, **kw), content)
 
 
 # =======================================================================================
@@ -370,61 +410,160 @@ def max_new(agent, args):
     return args.max_new_tokens or (256 if agent.chat else 8)
 
 
-class SampledLogprobs(transformers.LogitsProcessor):
-    """Inside `generate`: log p(sampled token) under the raw logits, i.e. the temperature-1
-    policy that training recomputes, taken one step at a time; and `suppress` is never sampled.
+def sample_token(logits, suppress, generator, greedy=False):
+    """Draw one token per row from the raw logits [B, V]: (tokens, their log-probs).
 
-    One step's log-softmax is kept, not every step's logits (`output_logits` would hold
-    new tokens x batch x vocabulary floats: 20 GB for 512 tokens of 64 rows of Qwen's vocabulary).
+    The log-prob kept is the token's under the raw distribution, log_softmax(logits) in fp32:
+    the policy that `token_logprobs` recomputes in training. Suppressed ids (pad, unk: they
+    would look like padding) are removed before the draw, which is at temperature 1 (argmax
+    when greedy); no top-k, top-p or repetition penalty.
     """
-    def __init__(self, suppress):
-        self.suppress, self.prev, self.logp = list(suppress), None, []
+    logp = logits.float().log_softmax(-1)
+    allowed = logp.index_fill(-1, suppress, -math.inf) if len(suppress) else logp
+    tok = allowed.argmax(-1) if greedy else torch.multinomial(allowed.exp(), 1, generator=generator)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
 
-    def __call__(self, input_ids, scores):
-        if self.prev is not None:  # the token sampled from the previous step's scores
-            self.logp.append(self.prev.gather(-1, input_ids[:, -1:])[:, 0])
-        self.prev = scores.float().log_softmax(-1)
-        if self.suppress:
-            scores = scores.clone()
-            scores[:, self.suppress] = -math.inf
-        return scores
 
-    def result(self, new):
-        """[B, new tokens] log-probs; the last token's comes from the last step kept."""
-        return torch.stack(self.logp + [self.prev.gather(-1, new[:, -1:])[:, 0]], 1)
+@functools.lru_cache(maxsize=None)
+def cache_keyword(model_class):
+    """The forward's name for the KV cache: past_key_values, renamed cache in transformers 5.2x."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def forward_last(model, ids, attn, pos, cache):
+    """Logits of the last position; the KV cache grows (or fills) by the new positions."""
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                 **{cache_keyword(type(model)): cache}).logits[:, -1]
+
+
+class GraphDecoder:
+    """Decoding over a static KV cache whose steps replay a CUDA graph (--cuda-graphs).
+
+    A small model's decode step is many tiny kernels; a graph launches them as one. Shapes
+    are fixed per decoder: `rows` (batches are padded to a power of two) and `length` cache
+    slots. The prefill runs eagerly. The first replay is checked against the eager forward
+    run before the capture; on a mismatch `generate` falls back to the eager loop for good.
+    Without CUDA (the tests) the steps run eagerly over the same static buffers.
+    """
+
+    def __init__(self, agent, rows, length):
+        self.agent, dev = agent, agent.model.device
+        self.cache = transformers.StaticCache(config=agent.model.config, max_cache_len=length)
+        self.x, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=dev) for _ in range(2))
+        self.attn = torch.zeros(rows, length, dtype=torch.long, device=dev)
+        self.graph = self.logits = None
+
+    def forward(self, ids, attn, pos, cache_enabled=True):
+        with self.agent.autocast(cache_enabled):
+            return forward_last(self.agent.model, ids, attn, pos, self.cache)
+
+    def prefill(self, ids, attn, pos):
+        self.cache.reset()
+        self.attn.zero_()
+        self.attn[:, :ids.shape[1]] = attn
+        logits = self.forward(ids, self.attn, pos)
+        if any(type(layer) is not transformers.cache_utils.StaticLayer for layer in self.cache.layers):
+            raise RuntimeError("the model's cache layers are not plain static layers (sliding windows?)")
+        return logits
+
+    def step(self, tok, pos, slot):
+        """One token per row, written to cache slot `slot`, at rope position `pos`."""
+        self.x.copy_(tok[:, None])
+        self.pos.copy_(pos)
+        self.attn[:, slot] = 1
+        if self.x.device.type != "cuda":
+            return self.forward(self.x, self.attn, self.pos)
+        if self.graph is None:  # warm up on a side stream, capture, then replay this very step
+            counts = [layer.cumulative_length.clone() for layer in self.cache.layers]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                want = self.forward(self.x, self.attn, self.pos).clone()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self.forward(self.x, self.attn, self.pos, cache_enabled=False)
+            for layer, n in zip(self.cache.layers, counts):  # the warm-up wrote this slot: write it again
+                layer.cumulative_length.copy_(n)
+            self.graph.replay()
+            if not torch.allclose(self.logits.float(), want.float(), rtol=1e-3, atol=1e-3):
+                raise RuntimeError("the graph's logits differ from the eager forward's")
+        else:
+            self.graph.replay()
+        return self.logits.clone()
 
 
 @torch.no_grad()
 def generate(agent, contexts, max_new_tokens, seed, greedy=False):
-    """One batched `generate` call: per context, (new ids, their log-probs, ended?).
+    """Sample one turn for a batch of contexts: per context (new ids, their log-probs, ended?).
 
-    Left padding with an explicit attention mask; log-probs from `SampledLogprobs`.
+    The left-padded contexts go through the model once (prefill, into a KV cache, keeping the
+    last position's logits); then one token per forward. Each token is drawn by `sample_token`
+    with a torch.Generator seeded from `seed`, so a call does not depend on what ran before.
+    A row ends at its first stop token and leaves the batch (its rows of the cache go too).
+    Nothing in the model's `generation_config` (temperature, top_k, top_p, repetition
+    penalty, ...) is read: what is sampled is exactly the policy that training scores.
+    With `agent.graphs` (a dict: --cuda-graphs on a GPU) the steps replay a CUDA graph over a
+    static cache instead (`GraphDecoder`), and finished rows stay in the batch, masked.
     """
-    pad = agent.pad_id
-    L = max(map(len, contexts))
-    ids = torch.full((len(contexts), L), pad, dtype=torch.long)
+    model, dev = agent.model, agent.model.device
+    B, L = len(contexts), max(map(len, contexts))
+    static = agent.graphs is not None
+    R = 1 << (B - 1).bit_length() if static else B          # a graph's rows: a power of two
+    ids = torch.full((R, L), agent.pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
-    for b, c in enumerate(contexts):
-        ids[b, L - len(c):] = torch.tensor(c)
-        attn[b, L - len(c):] = 1
-    dev = agent.model.device
-    torch.manual_seed(seed)  # each call reseeds: sampling does not depend on what ran before
-    # A fresh config, not the model's: a hub model's own top_k / top_p / repetition penalty
-    # would sample from another distribution than the policy that training scores.
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=list(agent.stop_ids),
-                           **(dict(do_sample=False) if greedy else dict(do_sample=True, top_k=0, top_p=1.0)))
-    rec = SampledLogprobs(agent.suppress)
-    with agent.autocast():
-        out = agent.model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=cfg,
-                                   logits_processor=transformers.LogitsProcessorList([rec]))
-    new = out[:, L:]
-    logp = rec.result(new)
-    res = []
-    for row, lp in zip(new.tolist(), logp.tolist()):
-        # The length comes from the first stop token, never from a pad mask: pad may equal eos.
-        n = next((i + 1 for i, t in enumerate(row) if t in agent.stop_ids), len(row))
-        res.append((row[:n], lp[:n], row[n - 1] in agent.stop_ids))
-    return res
+    for b, c in enumerate(contexts + [contexts[0]] * (R - B)):  # padding rows repeat the first
+        ids[b, L - len(c):], attn[b, L - len(c):] = torch.tensor(c, dtype=torch.long), 1
+    ids, attn = ids.to(dev), attn.to(dev)
+    gen = torch.Generator(dev).manual_seed(seed)
+    suppress = torch.tensor(agent.suppress, dtype=torch.long, device=dev)
+    stop_ids = torch.tensor(agent.stop_ids, dtype=torch.long, device=dev)
+    new = torch.full((R, max_new_tokens), agent.pad_id, dtype=torch.long, device=dev)
+    new_lp = torch.zeros(R, max_new_tokens, device=dev)
+    length = torch.full((R,), max_new_tokens, device=dev)     # a row's turn ends at its first stop token
+    running = torch.ones(R, dtype=torch.bool, device=dev)
+    rows, next_pos = torch.arange(R, device=dev), attn.sum(-1, keepdim=True)  # rows sampling; their next position
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)                   # prefill: positions count real tokens only
+    try:
+        if static:
+            T = -(-(L + max_new_tokens) // 256) * 256
+            if (R, T) not in agent.graphs:
+                agent.graphs.clear()  # one shape at a time: a static cache can be large
+                agent.graphs[R, T] = GraphDecoder(agent, R, T)
+            decoder = agent.graphs[R, T]
+            logits = decoder.prefill(ids, attn, pos)
+        else:
+            cache = transformers.DynamicCache(config=model.config)
+            with agent.autocast():
+                logits = forward_last(model, ids, attn, pos, cache)
+        for t in range(max_new_tokens):
+            tok, lp = sample_token(logits, suppress, gen, greedy)
+            new[rows, t], new_lp[rows, t] = tok, lp
+            done = torch.isin(tok, stop_ids) & running[rows]
+            length[rows[done]] = t + 1
+            running[rows[done]] = False
+            if t == max_new_tokens - 1 or not running[:B].any():
+                break
+            if static:
+                logits = decoder.step(tok, next_pos + t, L + t)
+                continue
+            if done.any():  # finished rows leave the batch
+                keep = (~done).nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
+            attn = torch.cat([attn, attn.new_ones(len(rows), 1)], 1)
+            with agent.autocast():
+                logits = forward_last(model, tok[:, None], attn, next_pos + t, cache)
+    except RuntimeError as e:
+        if not static:
+            raise
+        print(f"CUDA graphs off for this agent ({e}); decoding eagerly", flush=True)
+        agent.graphs = None
+        return generate(agent, contexts, max_new_tokens, seed, greedy)
+    out = []
+    for row, lp, n in zip(new[:B].tolist(), new_lp[:B].tolist(), length[:B].long().tolist()):
+        out.append((row[:n], lp[:n], row[n - 1] in agent.stop_ids))
+    return out
 
 
 def turn_action(agent, new, ended, who):
@@ -442,6 +581,7 @@ def tool_loop(agent, prompts, questions, args, search, seed, greedy, who, max_tu
     Each turn searches (or, chat models, visits a result's page; what comes back is a tool
     message, mask 0) or gives the final result, which ends the loop. who: sub or single."""
     trajs = [new_traj(agent, who, p, task=p) for p in prompts]
+    seen = [set() for _ in prompts]  # the URLs of each trajectory's own results: all it may visit
     active = list(range(len(prompts)))
     for turn in range(max_turns):
         if not active:
@@ -459,13 +599,18 @@ def tool_loop(agent, prompts, questions, args, search, seed, greedy, who, max_tu
                 t.result, t.ok = act[1], True
                 continue
             q = questions[j]
-            try:
+            try:  # the argument is model output: a tool that fails on it answers with the error
                 if act[0] == "visit":
-                    obs = search.visit(act[1], args.visit_max_chars)
+                    obs = search.visit(act[1], args.visit_max_chars, allowed=seen[j])
                 else:
-                    obs = toy_tools.search_observation(search.search(act[1], q.seed, q.level), agent.chat)
+                    results = search.search(act[1], q.seed, q.level)
+                    seen[j].update(r["url"] for r in results)
+                    obs = toy_tools.search_observation(results, agent.chat)
             except toy_tools.SearchError as e:
-                obs = f"error: {e}"  # a failed search is an observation, not the end of the run
+                obs = f"error: {e}"
+            except Exception as e:  # noqa: BLE001  (a bug in a tool, shown, but no reason to stop a long run)
+                print(f"warning: the {act[0]} tool raised {type(e).__name__}: {e}", flush=True)
+                obs = f"error: {type(e).__name__}"
             t.add(message_ids(agent, "tool", obs))  # tool output: mask 0
             still.append(j)
         active = still
@@ -812,29 +957,44 @@ def train_step(main, play, step, args, sub=None, store=None, phase=""):
 # =======================================================================================
 # Spec 7. Decoupled training: two processes, one directory of small JSON records
 # =======================================================================================
-class PeerGone(RuntimeError):
-    pass
+PEER = {"main": "sub", "sub": "main"}
+
+
+class StoreError(RuntimeError):
+    """The store or the peer failed; the message names the store, the record and what to do."""
 
 
 class FileStore:
-    """The shared store: one JSON file per record under <root>/<run_id>/, nothing executable.
+    """The shared store (the paper's Fig. 3): one small JSON file per record under <root>/<run_id>/.
 
-    Writes are atomic (temporary file, flush, fsync, rename), so a reader sees a whole
-    record or none. Keys are checked (letters, digits, '.', '_', '-'; no path escapes the
-    directory). Each role writes a heartbeat every second from a thread; a reader whose
-    peer has been silent longer than `timeout` raises PeerGone instead of hanging.
+    Writes are atomic: a temporary file created exclusively and without following symlinks,
+    flushed, fsynced and renamed, so a reader sees a whole record or none. Keys are checked,
+    so no record lands outside the directory; reads follow no symlink, and a record that is
+    not a JSON object is an error that names it. A lock keeps a second process of the same
+    role off the store. Each role writes a heartbeat with a counter every second, and the
+    reader times the counter on its own clock (the two machines' clocks need not agree): a
+    peer whose counter stood still for `timeout` seconds is gone. With `progress_timeout`, a
+    wait for one record from a live peer ends after that long. Both raise StoreError.
     """
     KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+    MAX_BYTES = 64 * 2 ** 20
 
-    def __init__(self, root, run_id, role, timeout=60.0):
+    def __init__(self, root, run_id, role, timeout=60.0, progress_timeout=0.0):
         self.dir = os.path.join(root, self.check(run_id))
         os.makedirs(self.dir, exist_ok=True)
-        self.role, self.peer, self.timeout = role, {"main": "sub", "sub": "main"}.get(role), timeout
+        self.role, self.peer, self.timeout, self.progress_timeout = role, PEER.get(role), timeout, progress_timeout
         self.io_time = 0.0      # seconds spent reading and writing records, not waiting
-        self.progress = 0       # published in the heartbeat: how far this role has checkpointed
+        self.phase = self.saved = 0  # published in the heartbeat: the schedule index worked on, checkpointed
+        self.beat_error = None  # set by the heartbeat thread when its writes keep failing
+        self.seen = (None, time.monotonic())  # the peer's last heartbeat counter, and when it last changed
         self._stop = threading.Event()
-        self._started = time.time()
         if self.peer:
+            self._lock = os.open(os.path.join(self.dir, f"lock-{role}"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.lockf(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise StoreError(f"another {role} role is running on the store {self.dir}; stop it, or use another "
+                                 f"--run-id or --store") from None
             threading.Thread(target=self._beat, daemon=True).start()
 
     def check(self, key):
@@ -846,65 +1006,98 @@ class FileStore:
         return os.path.join(self.dir, self.check(key) + ".json")
 
     def put(self, key, obj):
+        if self.beat_error:
+            raise StoreError(self.beat_error)
         t0 = time.perf_counter()
         self._write(key, obj)
         self.io_time += time.perf_counter() - t0
 
     def _write(self, key, obj):
         path = self.path(key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # never ends in .json: never read
-        with open(tmp, "w") as f:
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(6)}.tmp"  # never ends in .json: never read
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
             json.dump(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def read(self, key):
-        """The record, or None if it is not there (yet)."""
+        """The record, a JSON object, or None if it is not there (yet)."""
         t0 = time.perf_counter()
         try:
-            with open(self.path(key)) as f:
-                return json.load(f)
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(self.MAX_BYTES + 1)
+            rec = json.loads(data) if len(data) <= self.MAX_BYTES else None
         except FileNotFoundError:
             return None
+        except (OSError, ValueError, RecursionError) as e:  # a directory, a symlink, not JSON, nested too deep
+            raise StoreError(f"store {self.dir}: record {key} cannot be read ({type(e).__name__}: {e})") from None
         finally:
             self.io_time += time.perf_counter() - t0
+        if not isinstance(rec, dict):
+            raise StoreError(f"store {self.dir}: record {key} is not a JSON object of at most {self.MAX_BYTES} bytes")
+        return rec
 
     def wait(self, *keys):
         """(key, record) of the first of `keys` present; polls, watching the peer's heartbeat."""
-        delay, last_check = 0.0005, time.time()
+        delay, t_start, last_check = 0.0005, time.monotonic(), time.monotonic()
         while True:
             for key in keys:
                 rec = self.read(key)
                 if rec is not None:
                     return key, rec
-            if time.time() - last_check > 1.0:
-                self.check_peer()
-                last_check = time.time()
+            if time.monotonic() - last_check > 1.0:
+                beat = self.check_peer()
+                last_check = time.monotonic()
+                if self.progress_timeout and last_check - t_start > self.progress_timeout:
+                    raise StoreError(f"waited {last_check - t_start:.0f}s for {' or '.join(keys)} in {self.dir}; the "
+                                     f"{self.peer} role is alive but stays in phase {beat.get('phase')} "
+                                     f"(--progress-timeout)")
             time.sleep(delay)
             delay = min(2 * delay, 0.02)
 
     def check_peer(self):
-        beat = self.read(f"heartbeat-{self.peer}")
-        silent = time.time() - (beat["time"] if beat else self._started)
-        if silent > self.timeout:
-            what = "has sent no heartbeat" if beat is None else "has been silent"
-            raise PeerGone(f"the {self.peer} role {what} for {silent:.0f}s (store {self.dir}); start it "
-                           f"(python mgrpo.py --role {self.peer} --store ...), or restart it with --resume")
+        """The peer's heartbeat ({} if unreadable); StoreError if its counter has not moved for
+        `timeout` seconds of this process's clock, or if this role's own heartbeat failed."""
+        if self.beat_error:
+            raise StoreError(self.beat_error)
+        try:
+            beat = self.read(f"heartbeat-{self.peer}") or {}
+        except StoreError:
+            beat = {}  # malformed: it counts as a heartbeat that did not move
+        count = beat.get("count") if type(beat.get("count")) is int else None
+        now = time.monotonic()
+        if count != self.seen[0]:
+            self.seen = (count, now)
+        elif now - self.seen[1] > self.timeout:
+            what = "has sent no heartbeat" if count is None else "has been silent"
+            raise StoreError(f"the {self.peer} role {what} for {now - self.seen[1]:.0f}s (store {self.dir}); start "
+                             f"it (python mgrpo.py --role {self.peer} --store ...), or restart it with --resume")
         return beat
 
     def wait_peer(self):
-        """Block until the peer's heartbeat is fresh: it is running now, not a stale record."""
-        while True:
-            beat = self.check_peer()
-            if beat and time.time() - beat["time"] < 5.0:
-                return beat
+        """Block until the peer's heartbeat counter moves: it runs now, it is no earlier run's record."""
+        first = self.check_peer().get("count", -1)
+        while self.check_peer().get("count", -1) == first:
             time.sleep(0.1)
 
     def _beat(self):
+        count, failing = 0, None
         while True:
-            beat = {"time": time.time(), "pid": os.getpid(), "progress": self.progress}
-            self._write(f"heartbeat-{self.role}", beat)
+            count += 1
+            try:
+                self._write(f"heartbeat-{self.role}", {"count": count, "pid": os.getpid(), "phase": self.phase,
+                                                       "saved": self.saved})
+                failing = None
+            except OSError as e:
+                if failing is None:
+                    failing = time.monotonic()
+                    print(f"warning: heartbeat write to {self.dir} failed ({e}); retrying", flush=True)
+                elif time.monotonic() - failing > self.timeout / 2:  # before the peer gives up on this role
+                    self.beat_error = f"heartbeat writes to {self.dir} kept failing for {self.timeout / 2:.0f}s: {e}"
+                    return
             if self._stop.wait(1.0):
                 return
 
@@ -919,9 +1112,9 @@ class FileStore:
             m = re.fullmatch(r"p(\d+)-.*\.json", name)
             try:
                 if (m and int(m.group(1)) < before) or (
-                        name.endswith(".tmp") and time.time() - os.path.getmtime(path) > self.timeout):
+                        name.endswith(".tmp") and time.time() - os.lstat(path).st_mtime > self.timeout):
                     os.remove(path)
-            except FileNotFoundError:  # the other role's rename got there first
+            except OSError:  # the other role's rename got there first, or a planted directory
                 pass
 
 
@@ -940,6 +1133,34 @@ def local_delegate(sub, args, search):
     return lambda tasks, questions, seed, greedy: run_sub_agents(sub, tasks, questions, args, search, seed, greedy)
 
 
+def conforms(x, schema):
+    """Does a JSON value have this shape? schema: a type, a predicate, [item schema], (schema
+    per item of a fixed-length list) or {key: schema}. bool is no int here."""
+    if isinstance(schema, dict):
+        return isinstance(x, dict) and all(k in x and conforms(x[k], s) for k, s in schema.items())
+    if isinstance(schema, list):
+        return isinstance(x, list) and all(conforms(v, schema[0]) for v in x)
+    if isinstance(schema, tuple):
+        return isinstance(x, list) and len(x) == len(schema) and all(conforms(v, s) for v, s in zip(x, schema))
+    if isinstance(schema, type):
+        return type(x) is int if schema is int else isinstance(x, schema)
+    return schema(x)
+
+
+QUESTIONS = [(int, lambda level: level in (1, 2))]  # (seed, level) of each question
+TASKS = {"tasks": [str], "questions": QUESTIONS, "seed": int, "greedy": bool}
+RESULTS = {"tasks": [str], "results": [(lambda r: r is None or isinstance(r, str), bool)]}
+DONE = {"questions": QUESTIONS, "exchange": [{"query": int, "rollout": int, "correct": bool, "subs": [int]}]}
+
+
+def store_record(store, key, rec, schema, ok=lambda rec: True):
+    """rec if it has the shape that the peer writes (and ok(rec)); a store is untrusted input."""
+    if not (conforms(rec, schema) and ok(rec)):
+        raise StoreError(f"store {store.dir}: record {key} is not what the {store.peer} role writes; "
+                         f"start both roles on an empty store (or another --run-id)")
+    return rec
+
+
 def remote_delegate(store, phase):
     """S in the other process: each turn's sub-tasks go to the store, S's results come back."""
     turns = itertools.count()
@@ -948,10 +1169,11 @@ def remote_delegate(store, phase):
         key = f"{phase}-t{next(turns)}"
         store.put(key + "-tasks", {"tasks": tasks, "questions": [[q.seed, q.level] for q in questions],
                                    "seed": seed, "greedy": greedy})
-        _, rec = store.wait(key + "-results")
+        key, rec = store.wait(key + "-results")
+        rec = store_record(store, key, rec, RESULTS, lambda r: len(r["results"]) == len(tasks))
         if rec["tasks"] != tasks:  # a replay after a crash that did not sample the same tasks
-            raise RuntimeError(f"store record {key} answers other sub-tasks than this run asked; "
-                               f"restart both roles with --resume")
+            raise StoreError(f"store record {key} answers other sub-tasks than this run asked; "
+                             f"restart both roles with --resume")
         return [Traj([], [], [], task=t, result=r, ok=ok) for t, (r, ok) in zip(tasks, rec["results"])]
     return delegate
 
@@ -962,21 +1184,25 @@ def serve_sub(sub, store, args, search, start, on_step):
     for idx, (kind, step, greedy) in enumerate(schedule(args)):
         if idx < start:
             continue
+        store.phase = idx
         phase, subs, t_gen = f"p{idx:06d}", [], 0.0
         t0, io0 = time.perf_counter(), store.io_time
         for turn in itertools.count():
             key, rec = store.wait(f"{phase}-t{turn}-tasks", f"{phase}-done")
             if key.endswith("-done"):
                 break
+            rec = store_record(store, key, rec, TASKS, lambda r: len(r["tasks"]) == len(r["questions"]))
             qs = [toy_tools.make_question(seed, level) for seed, level in rec["questions"]]
             t1 = time.perf_counter()
-            st = run_sub_agents(sub, rec["tasks"], qs, args, search, rec["seed"], rec["greedy"])
+            trajs = run_sub_agents(sub, rec["tasks"], qs, args, search, rec["seed"], rec["greedy"])
             t_gen += time.perf_counter() - t1
-            subs += st
-            results = [[s.result, s.ok] for s in st]
-            store.put(f"{phase}-t{turn}-results", {"tasks": rec["tasks"], "results": results})
+            subs += trajs
+            store.put(f"{phase}-t{turn}-results", {"tasks": rec["tasks"], "results": [[s.result, s.ok] for s in trajs]})
         out = None
         if kind == "step":
+            rec = store_record(store, key, rec, DONE, lambda r: all(
+                0 <= e["query"] < len(r["questions"]) and all(0 <= i < len(subs) for i in e["subs"])
+                for e in r["exchange"]))
             qs = [toy_tools.make_question(seed, level) for seed, level in rec["questions"]]
             rs, _ = sub_step(sub, subs, rec["exchange"], qs, step, args)
             out = {"step": step, **rs, "t_step": time.perf_counter() - t0, "t_store": store.io_time - io0,
@@ -999,28 +1225,69 @@ def encode_demo(agent, msgs, who):
     return t
 
 
-def cold_start(agent, who, args, seed):
-    """Teacher-forced cross-entropy on mask-1 tokens of freshly generated demos."""
+def cold_start(agent, who, args, seed, steps=None):
+    """Teacher-forced cross-entropy on mask-1 tokens of freshly generated demos; `steps`
+    defaults to --sft-steps (its -1 to 600). Prints the loss and the time left now and then."""
+    steps = steps if steps is not None else args.sft_steps if args.sft_steps >= 0 else 600
     demo_fn = {"main": toy_tools.main_demo, "sub": toy_tools.sub_demo, "single": toy_tools.single_demo}[who]
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     rng = random.Random(seed)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / args.sft_steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
     levels = [int(x) for x in args.sft_levels.split(",")] if args.sft_levels else [args.level]
-    for _ in range(args.sft_steps):
-        demos = [demo_fn(toy_tools.make_question(rng.randrange(2 ** 31), levels[i % len(levels)]), rng,
-                         args.demo_noise, chat=agent.chat) for i in range(args.sft_batch)]
+    t0, loss = time.time(), torch.tensor(0.0)
+    for i in range(steps):
+        demos = [demo_fn(toy_tools.make_question(rng.randrange(2 ** 31), levels[j % len(levels)]), rng,
+                         args.demo_noise, chat=agent.chat) for j in range(args.sft_batch)]
         ids, attn, mask, _ = collate([encode_demo(agent, d, who) for d in demos], agent.pad_id, agent.model.device)
         agent.model.train(args.grad_checkpointing)
         with agent.autocast():
             loss = -(token_logprobs(agent.model, ids, attn) * mask).sum() / mask.sum()
+        if not torch.isfinite(loss):  # before any checkpoint holds the broken weights
+            raise FloatingPointError(f"non-finite loss {loss.item()} in the cold start of {who}, step {i + 1}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
         opt.step()
         sched.step()
+        if (i + 1) % max(1, steps // 4) == 0 and i + 1 < steps:
+            left = (time.time() - t0) / (i + 1) * (steps - i - 1)
+            print(f"  cold start {who}: step {i + 1}/{steps}, loss {loss.item():.3f}, about {left:.0f}s left",
+                  flush=True)
     agent.model.eval()
     return loss.item()
 
+
+def cold_start_job(path, who, args, seed, steps):
+    """A cold start in a process of its own (see `cold_start_all`): the agent saved at `path`,
+    trained with one thread, saved back."""
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    agent = load_agent(path, args, seed=0)
+    loss = cold_start(agent, who, args, seed, steps)
+    agent.model.save_pretrained(path)
+    return loss
+
+
+def cold_start_all(agents, who, steps, args):
+    """Every agent's cold start ({name: steps}); final losses. On a CPU with cores to spare
+    they run at once, each in a process of its own with one thread: a tiny model uses a
+    second thread poorly, and the agents share nothing. (Short ones do not pay a process start.)"""
+    jobs = {n: s for n, s in steps.items() if s}
+    seeds = {n: toy_tools.stable_seed(args.seed, "sft-" + n) for n in jobs}
+    if len(jobs) < 2 or args.device != "cpu" or (os.cpu_count() or 1) < 2 or min(jobs.values()) < 100:
+        return {n: cold_start(agents[n], who[n], args, seeds[n], s) for n, s in jobs.items()}
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(
+            len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for n in jobs:
+            agents[n].model.save_pretrained(os.path.join(tmp, n))
+            agents[n].tok.save_pretrained(os.path.join(tmp, n))
+        futures = {n: pool.submit(cold_start_job, os.path.join(tmp, n), who[n], args, seeds[n], s)
+                   for n, s in jobs.items()}
+        losses = {n: f.result() for n, f in futures.items()}
+        for n in jobs:
+            trained = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, n), dtype=torch.float32)
+            agents[n].model.load_state_dict(trained.state_dict())
+    return losses
 
 
 # =======================================================================================
@@ -1048,45 +1315,60 @@ def paper_D(d_values, p=0.99):
 # =======================================================================================
 # Checkpoints: weights, optimizer, RNG, the unsync batch and the place in the schedule
 # =======================================================================================
+def checkpoints(out):
+    """The checkpoint folders in <out>, oldest first."""
+    names = os.listdir(out) if os.path.isdir(out) else []
+    return [os.path.join(out, n) for n in sorted(n for n in names if re.fullmatch(r"ckpt-\d{8}", n))]
+
+
 def save_checkpoint(out, agents, index, n_metrics):
-    """Atomically replace <out>/ckpt: a kill at any moment leaves the previous one whole."""
-    final, tmp = os.path.join(out, "ckpt"), os.path.join(out, f"ckpt.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """<out>/ckpt-<index>: weights, tokenizers, optimizer and RNG states, the unsync batch and
+    the place in the schedule, in a state.pt that loads with weights_only=True. Written to a
+    temporary folder, then renamed: a kill at any moment leaves the earlier ones whole. The
+    last two are kept, so an unreadable latest one has a fallback."""
+    tmp = os.path.join(out, f"ckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
     for name, a in agents.items():
         a.model.save_pretrained(os.path.join(tmp, name))
         a.tok.save_pretrained(os.path.join(tmp, name))
+    np_state = np.random.get_state()
     torch.save({"index": index, "metrics_lines": n_metrics,
                 "opt": {name: a.opt.state_dict() for name, a in agents.items()},
                 "pending": {name: ([dataclasses.asdict(t) for t in a.pending[0]], a.pending[1].tolist())
                             for name, a in agents.items() if a.pending},
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}},
+                "rng": {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+                        "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}},
                os.path.join(tmp, "state.pt"))
-    if os.path.exists(final):
-        os.replace(final, final + ".old")
+    final = os.path.join(out, f"ckpt-{index:08d}")
+    shutil.rmtree(final, ignore_errors=True)  # one of the same index, from before a crash and --resume
     os.replace(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
+    for path in checkpoints(out)[:-2] + [os.path.join(out, n) for n in os.listdir(out) if n.startswith("ckpt-tmp-")]:
+        shutil.rmtree(path, ignore_errors=True)  # older ones, and what saves killed midway left
 
 
 def load_checkpoint(out, names, args):
-    """(agents, schedule index, metrics lines) from <out>/ckpt, or None if there is none."""
-    path = next((p for p in (os.path.join(out, "ckpt"), os.path.join(out, "ckpt.old")) if os.path.exists(p)), None)
-    if path is None:
-        return None
-    st = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-    agents = {}
-    for name in names:
-        a = agents[name] = load_agent(os.path.join(path, name), args, seed=0)
-        a.opt.load_state_dict(st["opt"][name])
-        if name in st["pending"]:
-            trajs, adv = st["pending"][name]
-            a.pending = ([Traj(**t) for t in trajs], torch.tensor(adv))
-    random.setstate(st["rng"]["python"])
-    np.random.set_state(st["rng"]["numpy"])
-    torch.set_rng_state(st["rng"]["torch"])
-    if st["rng"].get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["rng"]["cuda"])
-    return agents, st["index"], st["metrics_lines"]
+    """(agents, schedule index, metrics lines) from the newest readable checkpoint in <out>,
+    or None if there is none."""
+    for path in reversed(checkpoints(out)):
+        try:
+            st = torch.load(os.path.join(path, "state.pt"), weights_only=True)  # never unpickles code
+            agents = {}
+            for name in names:
+                a = agents[name] = load_agent(os.path.join(path, name), args, seed=0)
+                a.opt.load_state_dict(st["opt"][name])
+                if name in st["pending"]:
+                    trajs, adv = st["pending"][name]
+                    a.pending = ([Traj(**t) for t in trajs], torch.tensor(adv))
+            rng = st["rng"]
+            random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
+            np.random.set_state((rng["numpy"][0], np.array(rng["numpy"][1], dtype=np.uint32), *rng["numpy"][2:]))
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+            return agents, int(st["index"]), int(st["metrics_lines"])
+        except Exception as e:  # noqa: BLE001  (a broken checkpoint of any kind: try the one before)
+            print(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {e}); trying the one before", flush=True)
+    return None
 
 
 # =======================================================================================
@@ -1149,7 +1431,8 @@ def main(argv=None):
         names = ["main"]  # the single agent takes the main agent's place (and folder)
     if args.role != "both" and args.device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # two roles share the cores
-    store = FileStore(args.store, args.run_id, args.role, args.peer_timeout) if args.role != "both" else None
+    store = FileStore(args.store, args.run_id, args.role, args.peer_timeout,
+                      args.progress_timeout) if args.role != "both" else None
     try:
         return run(args, out, names, store, t_start)
     finally:
@@ -1159,7 +1442,7 @@ def main(argv=None):
 
 def run(args, out, names, store, t_start):
     search = toy_tools.ToySearch() if args.search == "toy" else toy_tools.HttpSearch(
-        args.search, args.search_timeout, args.search_retries)
+        args.search, args.search_timeout, args.search_retries, visit_hosts=[h for h in args.visit_hosts.split(",") if h])
     if "sub" in names or args.mode == "single-agent":
         try:  # a server that is down fails here, clearly, before any training
             search.search("ada", 0, 1)
@@ -1169,10 +1452,10 @@ def run(args, out, names, store, t_start):
     if store and args.role == "main":
         run_rec = store.read("run")
         if not args.resume and run_rec is not None:
-            raise RuntimeError(f"the store {store.dir} holds an earlier run; use --resume, another --run-id "
+            raise StoreError(f"the store {store.dir} holds an earlier run; use --resume, another --run-id "
                                f"or an empty store")
         if run_rec is not None and run_rec != shared:
-            raise RuntimeError(f"--resume with other settings than the run in {store.dir}: {run_rec}")
+            raise StoreError(f"--resume with other settings than the run in {store.dir}: {run_rec}")
         store.put("run", shared)
     if store and args.role == "sub":
         if not args.resume:
@@ -1180,16 +1463,18 @@ def run(args, out, names, store, t_start):
         _, run_rec = store.wait("run")
         if run_rec != shared:
             diff = {k: (v, shared.get(k)) for k, v in run_rec.items() if shared.get(k) != v}
-            raise RuntimeError(f"the sub role's settings differ from the main role's (main, sub): {diff}")
+            raise StoreError(f"the sub role's settings differ from the main role's (main, sub): {diff}")
 
     ckpt = load_checkpoint(out, names, args) if args.resume else None
     if ckpt:
         agents, start, n_lines = ckpt
-        with open(os.path.join(out, "metrics.jsonl")) as f:
+        path = os.path.join(out, "metrics.jsonl")
+        with open(path) as f:
             kept = f.readlines()[:n_lines]  # drop lines of steps after the checkpoint
-        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.writelines(kept)
-        print(f"resumed from {out}/ckpt at schedule position {start}", flush=True)
+        os.replace(path + ".tmp", path)  # atomically: a kill now leaves one whole file
+        print(f"resumed from {out} at schedule position {start}", flush=True)
     else:
         if args.resume:
             print(f"no checkpoint in {out}: starting afresh", flush=True)
@@ -1210,12 +1495,19 @@ def run(args, out, names, store, t_start):
               + (", reference" if args.kl_coef else "") + f" + {act:.2f} one micro-batch ({mb} x up to {T} tokens;"
               " --micro-batch and --grad-checkpointing lower it)", flush=True)
 
-    if not ckpt and args.sft_steps:
+    given = {"main": args.main_model, "sub": args.sub_model}
+    if any(given[n] for n in names):
+        print("a model given by name or path: " + ("no cold start" if args.sft_steps == -1 else
+              f"{args.sft_steps} cold-start steps") + f" for it, {args.eval_questions} questions per evaluation, "
+              f"{max_new(agents[names[0]], args)} new tokens per turn (--sft-steps, --eval-questions, "
+              "--max-new-tokens change them)", flush=True)
+    sft = {n: args.sft_steps if args.sft_steps >= 0 else 0 if given[n] else 600 for n in names}
+    if not ckpt and any(sft.values()):
         t0 = time.time()
-        losses = {n: cold_start(a, who[n], args, toy_tools.stable_seed(args.seed, "sft-" + n))
-                  for n, a in agents.items()}
-        print(f"cold start: {args.sft_steps} steps on noisy demos, final loss "
-              + " ".join(f"{n} {v:.3f}" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)", flush=True)
+        losses = cold_start_all(agents, who, sft, args)
+        print("cold start on noisy demos, final loss " + " ".join(f"{n} {v:.3f} ({sft[n]} steps)" for n, v in
+                                                                  losses.items()) + f" ({time.time() - t0:.0f}s)",
+              flush=True)
     if not ckpt:
         save_checkpoint(out, agents, 0, 0)
     if args.kl_coef:  # the frozen reference: each agent as RL starts (after the cold start)
@@ -1240,10 +1532,10 @@ def run(args, out, names, store, t_start):
         if kind == "eval" or step % args.save_every == 0 or idx == len(plan) - 1:
             save_checkpoint(out, agents, idx + 1, n_lines)
             if store:
-                store.progress = idx + 1
-                peer = store.read(f"heartbeat-{store.peer}")
-                if args.role == "main" and peer:
-                    store.prune(min(idx + 1, peer["progress"]))
+                store.saved = idx + 1
+                peer_saved = store.check_peer().get("saved")
+                if args.role == "main" and type(peer_saved) is int:
+                    store.prune(min(idx + 1, peer_saved))
 
     try:
         if args.role == "sub":
@@ -1254,6 +1546,8 @@ def run(args, out, names, store, t_start):
                 if idx < start:
                     continue
                 phase = f"p{idx:06d}"
+                if store:
+                    store.phase = idx
                 delegate = remote_delegate(store, phase) if store else local_delegate(sub_agent, args, search)
                 play = system(main_agent, delegate, args, search)
                 io0 = store.io_time if store else 0.0

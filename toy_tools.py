@@ -1,25 +1,21 @@
 """The toy deep-research task, its search tool, reward checkers and cold-start demos.
 
-Every question comes with its own small knowledge base, generated from the
-question's seed, so nothing can be memorised: to answer "country of ada ?" the
-agents must look up where ada lives and then which country that city is in, and
-read the answers off what the search tool returns.
+Every question comes with its own small knowledge base, generated from the question's seed, so
+nothing can be memorised: to answer "country of ada ?" the agents must look up where ada lives and
+then which country that city is in, and read the answers off what the search tool returns.
 
     level 1 (stage 1, easy):  "country of X ?"            2 hops, 3 short clean snippets per search
     level 2 (stage 2, hard):  "country of friend of X ?"  3 hops, 8 snippets, most of them noise
 
-Facts read "ada lives avon", "avon in norland", "ada friend bo". A sub-task,
-written by the main agent, reads "city of ada", "country of avon" or
-"friend of ada"; the sub-agent searches and returns one entity. Level 2 is
-deep research in miniature: a search matches the entity anywhere in a fact
-(so "avon" also finds "bo lives avon"), and the list is long, so the fact
-asked for must be read out of much noise. The sub-agent reads each list and
-hands back one word; an agent that searches for itself keeps every list in
-its own context.
+Facts read "ada lives avon", "avon in norland", "ada friend bo". A sub-task, written by the main
+agent, reads "city of ada", "country of avon" or "friend of ada"; the sub-agent searches and returns
+one entity. Level 2 is deep research in miniature: a search matches the entity anywhere in a fact
+(so "avon" also finds "bo lives avon"), and the list is long, so the fact asked for must be read out
+of much noise. The sub-agent reads each list and hands back one word; an agent that searches for
+itself keeps every list in its own context.
 
-The search tool runs in-process (`ToySearch`) or as an HTTP server on
-127.0.0.1 (`python toy_tools.py serve --port 8765`, client `HttpSearch`).
-Protocol, shaped like SearXNG's JSON API:
+The search tool runs in-process (`ToySearch`) or as an HTTP server on 127.0.0.1
+(`python toy_tools.py serve --port 8765`, client `HttpSearch`). Protocol, shaped like SearXNG's JSON API:
 
     GET /search?q=<query>&format=json&kb=<question seed>&level=<1|2>
     -> 200 {"query": q, "results": [{"url": ..., "title": ..., "content": "ada lives avon"}, ...]}
@@ -29,10 +25,9 @@ Protocol, shaped like SearXNG's JSON API:
 
 Both paths return the same results and page texts for the same (kb, level, query).
 
-Chat models (real instruct models, or the tiny Qwen2-style ones of `--chat`) do not use
-the word-level tags: they call tools as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-(tools `sub_agent`, `search`, `visit`) and answer as <answer> ... </answer>; see "Chat
-models" below.
+Chat models (real instruct models, or the tiny Qwen2-style ones of `--chat`) do not use the word-level
+tags: they call tools as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (tools `sub_agent`,
+`search`, `visit`) and answer as <answer> ... </answer>; see "Chat models" below.
 """
 import argparse
 import json
@@ -42,7 +37,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urljoin, urlparse
 
 PERSONS = ("ada bo cy dex eli fay gus hal ivo jun kai lu mo ned oz "
            "pia quin ray sol tam uma vic wes xia yul zed abe bea cal dot").split()
@@ -96,14 +91,10 @@ class Question:
 def knowledge_base(seed, level):
     """Facts of one question: {(relation, subject): value}, from the seed alone."""
     rng = random.Random(seed)
-    kb = {}
-    for p in PERSONS:
-        kb[("city", p)] = rng.choice(CITIES)
-    for c in CITIES:
-        kb[("country", c)] = rng.choice(COUNTRIES)
+    kb = {("city", p): rng.choice(CITIES) for p in PERSONS}
+    kb.update({("country", c): rng.choice(COUNTRIES) for c in CITIES})
     if level >= 2:
-        for p in PERSONS:
-            kb[("friend", p)] = rng.choice([q for q in PERSONS if q != p])
+        kb.update({("friend", p): rng.choice([q for q in PERSONS if q != p]) for p in PERSONS})
     return kb
 
 
@@ -130,9 +121,9 @@ def chain(level):
 def stable_seed(*parts):
     """A seed from parts such as (seed, step, role, turn), the same in every process.
 
-    Python's hash() of a str changes from process to process; crc32 does not, so the
-    server and the in-process tool pick the same distractors, and runs repeat."""
-    return zlib.crc32("|".join(map(str, parts)).encode())
+    Python's hash() of a str changes from process to process; crc32 does not, so the server and the
+    in-process tool pick the same distractors, and runs repeat. 'surrogatepass': any str part is fine."""
+    return zlib.crc32("|".join(map(str, parts)).encode("utf-8", "surrogatepass"))
 
 
 def search_results(seed, level, query):
@@ -166,20 +157,49 @@ def page_text(seed, level, entity):
     return f"{entity}. " + " ".join(facts) if facts else None
 
 
+_MARKUP = re.compile(r"<(?:(head|script|style)\b[^>]*|[^>]+)>", re.I)  # a tag; group 1: a block to cut whole
+_CLOSE = {n: re.compile(f"</{n}>", re.I) for n in ("head", "script", "style")}
+_BIG_CHARREF = re.compile(r"&#(?:[xX][0-9a-fA-F]{9,}|[0-9]{9,});?")  # past U+10FFFF; int() caps digits
+_PAGE = re.compile(r"(?:toy:/|https?://[^/]+)/page/([0-9]{1,18})/([0-9])/([a-z]+)")  # int() of 18 digits: safe
+_NOT_AMONG = "cannot visit {!r}: not among this trajectory's search results"
+
+
+def _text(s):
+    """s with lone surrogates made '?': outside text (servers, pages, JSON escapes) any tokenizer takes."""
+    return s.encode("utf-8", "replace").decode("utf-8")
+
+
 def html_text(html):
-    """Readable text of an HTML page: scripts, styles and tags out, entities decoded."""
+    """Readable text of an HTML page: scripts, styles and tags out, entities decoded. In linear time,
+    as a page is untrusted: no '<' past the last '>' is tried, nor a closing tag looked for twice."""
     import html as html_lib
-    html = re.sub(r"(?is)<(head|script|style)\b.*?</\1>", " ", html)
-    return " ".join(html_lib.unescape(re.sub(r"<[^>]+>", " ", html)).split())
+    out, i, end, unclosed = [], 0, html.rfind(">") + 1, set()  # unclosed: blocks with no closing tag after
+    while m := _MARKUP.search(html, i, end):
+        name = (m.group(1) or "").lower()
+        c = name and name not in unclosed and _CLOSE[name].search(html, m.end())
+        unclosed.update([name] if name and not c else [])
+        out += [html[i:m.start()], " "]
+        i = c.end() if c else m.end()
+    return " ".join(html_lib.unescape(_BIG_CHARREF.sub("\ufffd", "".join(out) + html[i:])).split())
 
 
 def _toy_page(url):
-    m = re.fullmatch(r"(?:toy:/|https?://[^/]+)/page/(\d+)/(\d)/([a-z]+)", url.strip())
+    m = _PAGE.fullmatch(url.strip())
     return page_text(int(m.group(1)), int(m.group(2)), m.group(3)) if m and int(m.group(2)) in N_SNIPPETS else None
 
 
 class SearchError(RuntimeError):
     """The search backend failed (after its retries)."""
+
+
+def _host_port(url):
+    """(scheme, host, port) that requests connects to (urllib3's parser: no mismatch on 'http://a\\@b/')."""
+    from urllib3.util import parse_url
+    try:
+        p = parse_url(url)
+        return p.scheme, p.host, p.port or {"http": 80, "https": 443}.get(p.scheme)
+    except ValueError:
+        return None
 
 
 class ToySearch:
@@ -188,63 +208,95 @@ class ToySearch:
     def search(self, query, seed, level):
         return search_results(seed, level, query)
 
-    def visit(self, url, max_chars=2000):
+    def visit(self, url, max_chars=2000, allowed=()):
+        """The page behind a result; allowed: the URLs of this trajectory's own results."""
+        if url not in allowed:
+            raise SearchError(_NOT_AMONG.format(url[:200]))
         text = _toy_page(url)
         if text is None:
-            raise SearchError(f"cannot visit {url!r}: not a page of this search tool")
+            raise SearchError(f"cannot visit {url[:200]!r}: not a page of this search tool")
         return text[:max_chars]
 
 
 class HttpSearch:
     """Client of any server that speaks SearXNG's JSON API, as the toy server does.
 
-    Each request has a timeout; connection errors, timeouts and 5xx answers are retried
-    `retries` times, waiting backoff, 2 * backoff, ... in between; a 4xx is not retried.
-    What still fails raises SearchError: at start-up that stops the run with a message,
-    during a rollout the agent reads it as the search's result (see `tool_loop`).
-    """
+    Each request has a total deadline: the body comes in small reads, and the first read ending past `timeout`
+    seconds ends it (a trickling server cannot hold it); at most `max_bytes` are read. Connection errors, timeouts
+    and 5xx answers are retried `retries` times, waiting backoff, 2 * backoff, ... in between; a 4xx is not retried.
+    What still fails raises SearchError: at start-up that stops the run with a message, during a rollout the agent
+    reads it as the search's result (see `tool_loop`). `visit_hosts`: hosts a model may visit beyond its results."""
 
-    def __init__(self, url, timeout=10.0, retries=2, backoff=0.5):
+    def __init__(self, url, timeout=10.0, retries=2, backoff=0.5, max_bytes=2_000_000, visit_hosts=()):
         self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), timeout, retries, backoff
+        self.max_bytes, self.visit_hosts = max_bytes, {h.lower() for h in visit_hosts}
 
     def _get(self, url, params, what):
-        """GET with a timeout; retries connection errors, timeouts and 5xx with backoff."""
+        """(response, text cut to max_bytes, was it longer?) of a GET with a total deadline; retries
+        connection errors, timeouts and 5xx with backoff. Redirects are answers, not followed."""
         import requests
+        import urllib3
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                r = requests.get(url, timeout=self.timeout, params=params)
-            except requests.exceptions.RequestException as e:
+            deadline, body = time.monotonic() + self.timeout, bytearray()
+            try:  # read1: what one recv brings, so the deadline is checked after each small read
+                with requests.get(url, timeout=self.timeout, params=params, stream=True, allow_redirects=False,
+                                  headers={"Accept-Encoding": "identity"}) as r:
+                    if r.headers.get("Content-Encoding", "identity") != "identity":  # no decompression bombs
+                        raise SearchError(f"{what} sent a compressed body, asked for none")
+                    while len(body) <= self.max_bytes and (chunk := r.raw.read1(65536, decode_content=False)):
+                        body += chunk
+                        if time.monotonic() > deadline:
+                            raise requests.exceptions.Timeout(f"over {self.timeout} s")
+            except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError, ValueError) as e:
                 why = f"is not reachable ({type(e).__name__})"
                 continue
+            try:  # in the charset the server names, if Python knows it (none: UTF-8, as JSON is)
+                text = _text(body[:self.max_bytes].decode(r.encoding or "utf-8", "replace"))
+            except (LookupError, ValueError):
+                text = body[:self.max_bytes].decode("utf-8", "replace")
             if r.status_code < 500:
-                return r
-            why = f"answered {r.status_code}: {r.text[:200]}"
+                return r, text, len(body) > self.max_bytes
+            why = f"answered {r.status_code}: {text[:200]}"
         raise SearchError(f"{what} {why} (after {self.retries + 1} tries)")
 
     def search(self, query, seed, level):
-        params = {"q": query, "format": "json", "kb": seed, "level": level}  # a real server ignores kb, level
-        r = self._get(f"{self.url}/search", params, f"search server {self.url}")
-        if r.status_code != 200:
-            raise SearchError(f"search server {self.url} answered {r.status_code}: {r.text[:200]}")
+        """The results; a body over max_bytes or not of their shape (wrong types, deep nesting): SearchError."""
+        params = {"q": _text(query), "format": "json", "kb": seed, "level": level}  # a real server ignores kb, level
+        r, text, over = self._get(f"{self.url}/search", params, f"search server {self.url}")
+        if r.status_code != 200 or over:
+            raise SearchError(f"search server {self.url} " + (f"answered {r.status_code}: {text[:200]}" if
+                              r.status_code != 200 else f"sent over {self.max_bytes} bytes"))
         try:
-            results = r.json()["results"]
-            return [{"url": x.get("url", ""), "title": x.get("title", ""), "content": x.get("content") or ""}
-                    for x in results]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SearchError(f"search server {self.url} sent no SearXNG-style results: {r.text[:200]}") from e
+            results = json.loads(text)["results"]
+            if isinstance(results, list) and all(isinstance(x, dict) and all(
+                    isinstance(x.get(k), (str, type(None))) for k in ("url", "title", "content")) for x in results):
+                return [{k: _text(x.get(k) or "") for k in ("url", "title", "content")} for x in results]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            pass
+        raise SearchError(f"search server {self.url} sent no SearXNG-style results: {text[:200]}")
 
-    def visit(self, url, max_chars=2000):
-        """The text of a result's page (HTML stripped), cut to max_chars. Only http(s) URLs:
-        the URL comes from the model, so no file:// or other schemes."""
+    def visit(self, url, max_chars=2000, allowed=()):
+        """The text of a result's page (HTML stripped), cut to max_chars (and to max_bytes). The URL
+        comes from the model: only http(s), only one in `allowed` (this trajectory's own results)
+        or on a host in visit_hosts; at most 3 redirects, to the same host and port (or https)."""
         if not re.match(r"https?://", url):
-            raise SearchError(f"cannot visit {url!r}: only http(s) URLs")
-        r = self._get(url, {}, f"page {url}")
+            raise SearchError(f"cannot visit {url[:200]!r}: only http(s) URLs")
+        if url not in allowed and (_host_port(url) or (None, None))[1] not in self.visit_hosts:
+            raise SearchError(_NOT_AMONG.format(url[:200]))
+        for hops in range(4):
+            r, text, _ = self._get(url, {}, f"page {url[:200]}")
+            if r.status_code not in (301, 302, 303, 307, 308):
+                break
+            to, here = urljoin(url, r.headers.get("Location", "")), _host_port(url)
+            if hops == 3 or not here or _host_port(to) not in {here, ("https", here[1], 443)}:
+                raise SearchError(f"visit {url[:200]} redirects elsewhere or too often: {to[:200]!r}")
+            url = to
         if r.status_code != 200:
-            raise SearchError(f"visit {url} answered {r.status_code}")
-        is_html = "html" in r.headers.get("Content-Type", "") or r.text.lstrip()[:1] == "<"
-        return (html_text(r.text) if is_html else " ".join(r.text.split()))[:max_chars]
+            raise SearchError(f"visit {url[:200]} answered {r.status_code}")
+        is_html = "html" in r.headers.get("Content-Type", "") or text.lstrip()[:1] == "<"
+        return (html_text(text) if is_html else " ".join(text.split()))[:max_chars]
 
 
 def search_observation(results, chat=False):
@@ -253,8 +305,8 @@ def search_observation(results, chat=False):
     if not results:
         return "none"
     if chat:
-        return "\n".join(f"[{i + 1}] {r['title']} ({r['url']}): {r['content']}" for i, r in enumerate(results))
-    return " ; ".join(r["content"] for r in results)
+        return _text("\n".join(f"[{i + 1}] {r['title']} ({r['url']}): {r['content']}" for i, r in enumerate(results)))
+    return _text(" ; ".join(r["content"] for r in results))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -300,7 +352,11 @@ def make_server(port=0):
 # ---------------------------------------------------------------------------------------
 # Parsing model output and reward checkers (spec 2)
 # ---------------------------------------------------------------------------------------
-_ACTION = re.compile(r"^\s*(?:<think>.*?</think>)?\s*<(call|answer|search|return)>(.*?)</\1>\s*$", re.S)
+# Model output is untrusted: the parsers take any str, in linear time (no backtracking regex), and
+# answer None (format 0) for all but exactly one action. _TAG: a tag of either format or a role; in
+# an argument it would be a second (nested) action, or a fake turn in the context it is passed to.
+_OPEN = re.compile(r"<(call|answer|search|return)>")
+_TAG = re.compile(r"</?(?:think|call|answer|search|return|tool|system|user|assistant)|<\|", re.I)
 MAIN_TAGS, SUB_TAGS = ("call", "answer"), ("search", "return")
 SINGLE_TAGS = ("search", "answer")  # the single-agent baseline searches itself
 TAGS = {"main": MAIN_TAGS, "sub": SUB_TAGS, "single": SINGLE_TAGS}  # (tool, final answer) per agent
@@ -309,14 +365,26 @@ TAGS = {"main": MAIN_TAGS, "sub": SUB_TAGS, "single": SINGLE_TAGS}  # (tool, fin
 def parse_action(text, allowed):
     """(tag, argument) of one turn's output, or None when the format is invalid.
 
-    Valid: an optional <think>...</think>, then exactly one <tag> argument </tag> with a
-    non-empty argument and a tag this agent may use. Anything else (no tags, unclosed
-    tags, empty text, an unknown or foreign tool) is invalid.
-    """
-    m = _ACTION.match(text)
-    if not m or m.group(1) not in allowed or not m.group(2).strip():
+    Valid: an optional <think>...</think>, then exactly one <tag> argument </tag> with a non-empty
+    argument and a tag this agent may use. Anything else (no tags, unclosed tags, empty text, an
+    unknown or foreign tool, a tag in the thought or the argument, a lone surrogate) is invalid."""
+    s = text.strip()
+    if s.startswith("<think>"):
+        end = s.find("</think>")
+        if end < 0 or _TAG.search(s, 7, end):
+            return None
+        s = s[end + 8:].lstrip()
+    m = _OPEN.match(s)
+    if not m or m.group(1) not in allowed or not s.endswith(f"</{m.group(1)}>"):
         return None
-    return m.group(1), " ".join(m.group(2).split())
+    return _action(m.group(1), s[m.end():-len(m.group(1)) - 3])
+
+
+def _action(tag, arg):
+    """(tag, argument with whitespace collapsed), or None if the argument is no str or empty, holds a
+    tag, or holds a lone surrogate (which would fail later in a tokenizer or the HTTP client)."""
+    arg = " ".join(arg.split()) if isinstance(arg, str) else ""
+    return (tag, arg) if arg and not _TAG.search(arg) and _text(arg) == arg else None
 
 
 def parse_subtask(task):
@@ -370,8 +438,6 @@ SYSTEM = {
     "single": "You answer questions about people, cities and countries. Search, read the results, visit a page "
               "if you need. " + _WORLD,
 }
-_CHAT_ACTION = re.compile(r"^(?:(?!<tool_call>|<answer>).)*?(?:<tool_call>(.*?)</tool_call>|<answer>(.*?)</answer>)\s*$",
-                          re.S)
 
 
 def parse_chat_action(text, who):
@@ -379,23 +445,22 @@ def parse_chat_action(text, who):
 
     Valid: any text (thoughts) with no second action, then exactly one
     <tool_call>{"name": <one of this agent's tools>, "arguments": {<its argument>: "..."}}</tool_call>
-    or one <answer> ... </answer>, and nothing after it.
-    """
-    m = _CHAT_ACTION.match(text)
-    if not m:
+    or one <answer> ... </answer>, and nothing after it; no tag inside the call or the answer."""
+    m = re.search(r"<(tool_call|answer)>", text)  # the first action: the thoughts before it hold none
+    end = text.find(f"</{m.group(1)}>", m.end()) if m else -1
+    if end < 0 or text[end + len(m.group(0)) + 1:].strip():
         return None
-    if m.group(2) is not None:
-        answer = " ".join(m.group(2).split())
-        return (TAGS[who][1], answer) if answer else None
-    try:
-        call = json.loads(m.group(1))
-        tag, key = TOOL_ACTION[call["name"]]
-        value = call["arguments"][key]
-    except (ValueError, KeyError, TypeError):
+    inner = text[m.end():end]
+    if m.group(1) == "answer":
+        return _action(TAGS[who][1], inner)
+    try:  # deep nesting ('[' * 10**5) makes json raise RecursionError
+        call = None if _TAG.search(inner) else json.loads(inner)
+    except (ValueError, RecursionError):
         return None
-    if call["name"] not in CHAT_TOOLS[who] or not isinstance(value, str) or not value.strip():
+    if not (isinstance(call, dict) and call.get("name") in CHAT_TOOLS[who] and isinstance(call.get("arguments"), dict)):
         return None
-    return tag, " ".join(value.split())
+    tag, key = TOOL_ACTION[call["name"]]
+    return _action(tag, call["arguments"].get(key))
 
 
 def action_text(tag, arg, chat=False):
@@ -470,11 +535,10 @@ def _noisy(rng, value, pool, p):
 def main_demo(q, rng, p, single=False, chat=False):
     """A scripted main-agent conversation (messages) with entity slots corrupted w.p. p.
 
-    The tool results are what a perfect sub-agent would return for the (maybe wrong)
-    sub-task, so the demo also teaches the main agent to carry a result forward.
-    single=True: the single agent's demo, the same chain with the searches inlined; it
-    reads every whole result list in its own context. chat=True: turns as chat models write them.
-    """
+    The tool results are what a perfect sub-agent would return for the (maybe wrong) sub-task, so the
+    demo also teaches the main agent to carry a result forward. single=True: the single agent's demo,
+    the same chain with the searches inlined; it reads every whole result list in its own context.
+    chat=True: turns as chat models write them."""
     kb = knowledge_base(q.seed, q.level)
     x = q.text.split()[-2]
     msgs = [{"role": "user", "content": q.text}]
@@ -509,7 +573,7 @@ def sub_demo(q, rng, p, chat=False):
     page = next((r["url"] for r in results if r["title"] == e), None)
     if chat and page and rng.random() < 0.3:
         msgs += [{"role": "assistant", "content": action_text("visit", page, chat)},
-                 {"role": "tool", "content": ToySearch().visit(page)}]
+                 {"role": "tool", "content": ToySearch().visit(page, allowed=[r["url"] for r in results])}]
     return msgs + [{"role": "assistant", "content": action_text("return", _noisy(rng, value, values, p), chat)}]
 
 

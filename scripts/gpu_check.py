@@ -6,7 +6,8 @@ them as Hugging Face folders, then runs a few M-GRPO steps as two processes (--r
 --role sub) on the same GPU in bf16, talking through the file store. Prints generation and
 training tokens/s, peak memory per process against the start-up estimate, the training
 step's model FLOPs utilisation (MFU), and how far bf16 sampling log-probs are from the
-training ones (the ratio is 1 in exact arithmetic with one epoch).
+training ones (the ratio is 1 in exact arithmetic with one epoch). Last, the samplers side by side
+(scripts/bench_generate.py): HF `generate`, mgrpo's eager loop and its CUDA-graph loop.
 
     python scripts/gpu_check.py                 # about 3 minutes on one H200
     python scripts/gpu_check.py --models runs/gpu_check/models --role-args "--grad-checkpointing --kl-coef 0.01"
@@ -55,6 +56,8 @@ def main():
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="the GPU's dense bf16 peak for MFU (H100/H200 SXM datasheet: 989)")
     p.add_argument("--out", default="runs/gpu_check", help="models, logs, metrics and gpu_check.json go here")
+    p.add_argument("--samplers", action=argparse.BooleanOptionalAction, default=True,
+                   help="last, time the samplers side by side (scripts/bench_generate.py)")
     b = p.parse_args()
     os.makedirs(b.out, exist_ok=True)
     cuda = b.device.startswith("cuda")
@@ -153,6 +156,17 @@ def main():
           f"{summary['main']['eval_success_end']:.3f}")
     with open(os.path.join(b.out, "gpu_check.json"), "w") as f:
         json.dump(res, f, indent=1)
+
+    # 4. The samplers side by side on the same recorded rollout calls: HF generate, mgrpo's
+    # eager loop, and (on a GPU) its CUDA-graph loop
+    if not b.samplers:
+        return
+    print("\nsamplers, replaying the generate calls of 2 M-GRPO steps with these models:", flush=True)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_generate.py"), "--models", models,
+                        "--chat", "--device", b.device, "--steps", "2", "--repeat", "2", "--max-new-tokens", "48",
+                        "--folder", os.path.join(b.out, "replay")] + (["--bf16"] if cuda else []),
+                       capture_output=True, text=True, cwd=ROOT)
+    print(r.stdout[-3000:] + (r.stderr[-3000:] if r.returncode else ""), flush=True)
 
 
 if __name__ == "__main__":

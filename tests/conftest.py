@@ -5,6 +5,16 @@ import pytest
 import mgrpo
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: trains or runs whole processes (the fast tier: -m 'not slow')")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # a test that needs the trained cold start is slow
+        if "cold_start_dir" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def cold_start_dir(tmp_path_factory):
     """The default cold start (the stage-1 stand-in), saved once for the tests that need

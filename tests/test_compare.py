@@ -3,11 +3,14 @@ import csv
 import os
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import compare  # noqa: E402
+
+pytestmark = pytest.mark.slow  # every test here trains models or runs processes
 
 
 def weights(path):

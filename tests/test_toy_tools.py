@@ -75,16 +75,17 @@ def test_visit_reads_a_result_page_in_process_and_over_http(server_url):
     local, http = tt.ToySearch(), tt.HttpSearch(server_url, retries=0)
     for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 2, "avon")]:
         for a, b in zip(local.search(query, seed, level), http.search(query, seed, level)):
-            page = http.visit(b["url"])
-            assert page == local.visit(a["url"]) and b["content"] + "." in page  # HTML stripped, same text
-    assert len(http.visit(b["url"], max_chars=7)) == 7
+            page = http.visit(b["url"], allowed={b["url"]})  # a URL of the trajectory's own results
+            assert page == local.visit(a["url"], allowed=[a["url"]]) and b["content"] + "." in page  # same text
+    assert len(http.visit(b["url"], max_chars=7, allowed=[b["url"]])) == 7
     for bad in ("file:///etc/passwd", "toy://page/1/1/ada", "ftp://x"):
         with pytest.raises(tt.SearchError, match="only http"):
-            http.visit(bad)
+            http.visit(bad, allowed=[bad])
+    nobody = server_url + "/page/1/1/nobody"
     with pytest.raises(tt.SearchError, match="404"):
-        http.visit(server_url + "/page/1/1/nobody")
+        http.visit(nobody, allowed=[nobody])
     with pytest.raises(tt.SearchError, match="not a page"):
-        local.visit("http://example.com/")
+        local.visit("http://example.com/", allowed=["http://example.com/"])
     html = "<html><head><title>T</title><style>p {}</style></head><body><script>x()</script><p>a &amp; b</p>c</body>"
     assert tt.html_text(html) == "a & b c"
 

@@ -1,9 +1,9 @@
-"""Benchmark (not collected by pytest): time per M-GRPO step, split into generation,
+"""Benchmark (prints figures; not a test): time per M-GRPO step, split into generation,
 log-prob recomputation (the training forward pass) and update (backward + optimizer),
-with tokens/s, for the three model sizes built in code.
+with tokens/s, for the model sizes built in code.
 
-    python tests/bench.py                      # 0.1M, 1M, 4M; a short cold start each
-    python tests/bench.py --sizes 1M --steps 5
+    python scripts/bench.py                    # 0.1M, 0.2M (the default), 1M, 4M; a short cold start each
+    python scripts/bench.py --sizes 1M --steps 5
 
 A short cold start first, so that rollouts look like training ones (valid formats,
 about two sub-agent calls per rollout) rather than a random model's garbage.
@@ -14,7 +14,7 @@ import os
 import resource
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 import numpy as np  # noqa: E402
 
 import mgrpo  # noqa: E402
@@ -23,7 +23,7 @@ import toy_tools  # noqa: E402
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", nargs="+", default=["0.1M", "1M", "4M"], choices=list(mgrpo.SIZES))
+    p.add_argument("--sizes", nargs="+", default=["0.1M", "0.2M", "1M", "4M"], choices=list(mgrpo.SIZES))
     p.add_argument("--steps", type=int, default=10, help="timed M-GRPO steps per size (after 2 warm-up steps)")
     p.add_argument("--sft-steps", type=int, default=300, help="cold-start steps before timing")
     p.add_argument("--device", default="cpu")

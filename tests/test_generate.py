@@ -1,0 +1,188 @@
+"""mgrpo's own sampling loop: what it draws, and the log-probs it stores for the ratio."""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import mgrpo
+
+
+@pytest.fixture(scope="module")
+def word_agent():
+    return mgrpo.load_agent("", mgrpo.parse_args([]), seed=0)
+
+
+@pytest.fixture(scope="module")
+def chat_agent():
+    return mgrpo.load_agent("", mgrpo.parse_args(["--chat", "--model-size", "0.1M"]), seed=0)
+
+
+def biased(agent, bias):
+    """A copy of the agent whose logits get `bias` ({token id: added logit}) added: part of the
+    model, so sampling and training see it alike."""
+    a = copy.deepcopy(agent)
+    b = torch.zeros(a.model.config.vocab_size)
+    for i, v in bias.items():
+        b[i] = v
+    a.model.lm_head.register_forward_hook(lambda module, inputs, out: out + b)
+    return a
+
+
+def contexts(agent, who="main"):
+    texts = ["country of ada ?", "country of friend of bo ?", "city of cy", "friend of dex", "country of avon"]
+    return [mgrpo.prompt_ids(agent, who, t) for t in texts]
+
+
+def hub_like(agent):
+    """The agent with what instruct models ship in their generation_config."""
+    a = copy.deepcopy(agent)
+    a.model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, repetition_penalty=1.1, top_k=20,
+                                                 top_p=0.8)
+    return a
+
+
+@pytest.mark.parametrize("which", ["word", "chat"])
+def test_generation_config_of_the_model_changes_nothing(which, word_agent, chat_agent):
+    agent = word_agent if which == "word" else chat_agent
+    ctx = contexts(agent, "sub")
+    for seed in range(3):
+        plain = mgrpo.generate(agent, ctx, 12, seed)
+        hub = mgrpo.generate(hub_like(agent), ctx, 12, seed)
+        assert plain == hub  # the same tokens, log-probs and ends, exactly
+    # the setting itself does change what HF generate samples with the model's defaults
+    L = max(map(len, ctx))
+    ids = torch.tensor([[agent.pad_id] * (L - len(c)) + c for c in ctx])
+    attn = (torch.arange(L)[None] >= torch.tensor([L - len(c) for c in ctx])[:, None]).long()
+    outs = []
+    for a in (agent, hub_like(agent)):
+        torch.manual_seed(0)
+        outs.append(a.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=True,
+                                     pad_token_id=agent.pad_id).tolist())
+    assert outs[0] != outs[1]
+
+
+def test_stored_logprobs_equal_training_logprobs(word_agent):
+    """Rows of different context lengths (left padding while sampling, right padding in
+    training), stopping at different lengths, some never stopping."""
+    eos = word_agent.stop_ids[0]
+    agent = biased(word_agent, {eos: 3.0})  # about one chance in six to stop at each token
+    ctx = contexts(agent) * 6
+    outs = mgrpo.generate(agent, ctx, 10, seed=5)
+    lengths = [len(new) for new, _, _ in outs]
+    ended = [e for _, _, e in outs]
+    assert any(ended) and not all(ended) and len(set(lengths)) >= 4
+    for new, lp, e in outs:
+        assert e == (new[-1] == eos) and (e or len(new) == 10) and eos not in new[:-1]
+    trajs = [mgrpo.Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(ctx, outs)]
+    ids, attn, mask, old = mgrpo.collate(trajs, agent.pad_id, "cpu")
+    with torch.no_grad():
+        lp = mgrpo.token_logprobs(agent.model, ids, attn)
+    m = mask.bool()
+    assert m.sum() == sum(lengths)
+    assert (lp[m] - old[m]).abs().max() < 1e-5
+
+
+def test_first_token_frequencies_match_the_softmax(word_agent):
+    """A chi-square test over 20,000 draws of the first token, from logits spread far from
+    uniform; pad and unk, made the most likely tokens of all, are never drawn; greedy takes
+    the argmax of the rest."""
+    tok = word_agent.tok
+    spread = torch.randn(len(tok), generator=torch.Generator().manual_seed(0)).tolist()
+    agent = biased(word_agent, {**dict(enumerate(spread)), tok.pad_token_id: 6.0, tok.unk_token_id: 5.0})
+    ctx = contexts(agent)[0]
+    n = 20000
+    outs = mgrpo.generate(agent, [ctx] * n, 1, seed=11)
+    drawn = np.bincount([new[0] for new, _, _ in outs], minlength=agent.model.config.vocab_size)
+    with torch.no_grad():
+        logits = agent.model(torch.tensor([ctx])).logits[0, -1]
+    assert logits.argmax() == tok.pad_token_id
+    assert drawn[tok.pad_token_id] == 0 and drawn[tok.unk_token_id] == 0
+    p = logits.double().softmax(-1)
+    p[[tok.pad_token_id, tok.unk_token_id]] = 0
+    p = (p / p.sum()).numpy()
+    expected = n * p
+    bins = expected >= 5
+    rest = ~bins & (p > 0)
+    obs, exp = drawn[bins], expected[bins]
+    if rest.any():  # rare tokens pooled into one bin
+        obs, exp = np.append(obs, drawn[rest].sum()), np.append(exp, expected[rest].sum())
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    # Wilson-Hilferty: the chi-square quantile at p = 0.999 (z = 3.09)
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < crit, (chi2, crit, dof)
+    # and it is not a uniform draw: the frequencies do follow the logits
+    uni = np.full(len(obs), n / len(obs))
+    assert float(((obs - uni) ** 2 / uni).sum()) > 3 * crit
+    # each stored log-prob is the token's under the raw softmax (pad and unk included)
+    raw = logits.double().log_softmax(-1)
+    for new, lp, _ in outs[:50]:
+        assert lp[0] == pytest.approx(raw[new[0]].item(), abs=1e-5)
+    greedy = mgrpo.generate(agent, [ctx] * 3, 1, seed=0, greedy=True)
+    masked = logits.clone()
+    masked[[tok.pad_token_id, tok.unk_token_id]] = -math.inf
+    assert [new[0] for new, _, _ in greedy] == [int(masked.argmax())] * 3
+
+
+def test_same_draws_as_hf_generate_with_a_clean_config(word_agent):
+    """A cross-check against a reference sampler: HF `generate` at temperature 1 with no
+    top-k / top-p and the same suppressed ids draws the same tokens for the same seed, and
+    its raw logits give the same log-probs (no row stops early here, so both draw alike)."""
+    ctx = contexts(word_agent)
+    ours = mgrpo.generate(word_agent, ctx, 8, seed=3)
+    assert all(len(new) == 8 for new, _, _ in ours)
+    L = max(map(len, ctx))
+    ids = torch.tensor([[word_agent.pad_id] * (L - len(c)) + c for c in ctx])
+    attn = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in ctx])
+    torch.manual_seed(3)
+    out = word_agent.model.generate(input_ids=ids, attention_mask=attn, generation_config=GenerationConfig(
+        max_new_tokens=8, pad_token_id=word_agent.pad_id, eos_token_id=list(word_agent.stop_ids), do_sample=True,
+        top_k=0, top_p=1.0, suppress_tokens=list(word_agent.suppress), output_logits=True,
+        return_dict_in_generate=True))
+    new = out.sequences[:, L:]
+    lp = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0]
+    for (tokens, logp, _), row, row_lp in zip(ours, new.tolist(), lp.tolist()):
+        assert tokens == row and logp == pytest.approx(row_lp, abs=1e-6)
+
+
+def test_a_call_depends_on_its_seed_only(word_agent):
+    ctx = contexts(word_agent)
+    a = mgrpo.generate(word_agent, ctx, 8, seed=7)
+    torch.manual_seed(123)  # the global RNG plays no part
+    torch.rand(5)
+    assert mgrpo.generate(word_agent, ctx, 8, seed=7) == a
+    assert mgrpo.generate(word_agent, ctx, 8, seed=8) != a
+
+
+def test_static_cache_decoding_equals_the_eager_loop(word_agent):
+    """The CUDA-graph path's decoding (a static cache, rows padded to a power of two, finished
+    rows kept and masked), run eagerly on the CPU: greedy turns that end at different lengths
+    are the eager loop's, token for token, with the same log-probs."""
+    eos = word_agent.stop_ids[0]
+    agent = copy.deepcopy(word_agent)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # larger weights than at initialisation: greedy turns then differ by context
+        for p in agent.model.parameters():
+            if p.dim() == 2:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    agent = biased(agent, {eos: 2.0})
+    static = copy.deepcopy(agent)
+    static.graphs = {}
+    ctx = contexts(agent) + contexts(agent, "sub")[:2]  # 7 rows: padded to 8
+    for seed in range(2):
+        a = mgrpo.generate(agent, ctx, 10, seed, greedy=True)
+        b = mgrpo.generate(static, ctx, 10, seed, greedy=True)
+        assert [x[0] for x in a] == [x[0] for x in b] and [x[2] for x in a] == [x[2] for x in b]
+        for (_, lp_a, _), (_, lp_b, _) in zip(a, b):
+            assert lp_a == pytest.approx(lp_b, abs=1e-5)
+    assert len({len(x[0]) for x in a}) > 1 and any(x[2] for x in a)
+    assert list(static.graphs) == [(8, 256)]
+    # sampled, with no row ending early, the draws are the same too
+    c = mgrpo.generate(word_agent, contexts(word_agent)[:4], 6, seed=1)
+    still = copy.deepcopy(word_agent)
+    still.graphs = {}
+    assert all(len(x[0]) == 6 for x in c)
+    assert [x[0] for x in mgrpo.generate(still, contexts(word_agent)[:4], 6, seed=1)] == [x[0] for x in c]

@@ -1,0 +1,251 @@
+"""A hostile world for the store and the checkpoints: failing disks, skewed clocks, planted
+files, stuck peers, killed saves. Each case once crashed, hung or ran planted code."""
+import builtins
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import mgrpo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORT = ["--steps", "3", "--sft-steps", "5", "--questions-per-step", "2", "--group-size", "2",
+         "--eval-questions", "4", "--eval-every", "0"]
+
+
+def fake_peer(store_dir, role, stop, beat=lambda n: {"count": n}, every=0.2):
+    """A thread that writes the heartbeat of `role` into the store directory, as a peer would."""
+    def run():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            rec = beat(n)
+            path = os.path.join(store_dir, f"heartbeat-{role}.json")
+            tmp = f"{path}.{threading.get_ident()}"
+            with open(tmp, "w") as f:
+                f.write(rec if isinstance(rec, str) else json.dumps(rec))
+            os.replace(tmp, path)
+            stop.wait(every)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_heartbeat_survives_write_errors_and_stops_the_role_when_they_persist(tmp_path, monkeypatch, capsys):
+    st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=4.0)  # it gives up after 2 s of failures
+    real, failures = st._write, {"n": 0, "until": 2}
+
+    def flaky(key, obj):
+        if key.startswith("heartbeat") and failures["n"] < failures["until"]:
+            failures["n"] += 1
+            raise OSError(28, "No space left on device")
+        return real(key, obj)
+    monkeypatch.setattr(st, "_write", flaky)
+    try:
+        deadline = time.time() + 10
+        while (st.read("heartbeat-main") or {}).get("count", 0) < 4:  # two failures, then it writes again
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert st.beat_error is None and failures["n"] == 2
+        assert "heartbeat write" in capsys.readouterr().out
+        failures["until"] = 10 ** 9  # the disk stays full: the role stops, clearly
+        while st.beat_error is None:
+            assert time.time() < deadline + 10
+            time.sleep(0.05)
+        with pytest.raises(mgrpo.StoreError, match="kept failing"):
+            st.put("p000001-done", {})
+    finally:
+        st.close()
+
+
+def test_staleness_is_judged_on_the_readers_clock(tmp_path):
+    """A live peer whose wall clock is two minutes behind (or ahead) is alive: its counter moves."""
+    st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=1.0)
+    stop = threading.Event()
+    for skew in (-120, 120):
+        fake_peer(st.dir, "sub", stop, beat=lambda n: {"count": n, "time": time.time() + skew})
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 3.0:
+            st.check_peer()  # never declared gone
+            time.sleep(0.1)
+        st.wait_peer()
+    finally:
+        stop.set()
+        st.close()
+
+
+@pytest.mark.parametrize("beat", ['[1, 2]', '{"count": NaN}', '{"count": "7"}', '{"count": true}', '{"count": 1e999}',
+                                  '{"time": NaN}', 'garbage', '{"count": ' + '[' * 100000 + ']' * 100000 + '}'])
+def test_a_malformed_heartbeat_is_stale_not_a_crash_or_a_hang(tmp_path, beat):
+    st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=1.0)
+    stop = threading.Event()
+    fake_peer(st.dir, "sub", stop, beat=lambda n: beat)
+    try:
+        t0 = time.time()
+        with pytest.raises(mgrpo.StoreError, match="the sub role has sent no heartbeat"):
+            st.wait("p000000-t0-results")
+        assert time.time() - t0 < 5
+    finally:
+        stop.set()
+        st.close()
+
+
+def test_a_live_peer_that_never_progresses_is_named(tmp_path):
+    st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=5.0, progress_timeout=1.5)
+    stop = threading.Event()
+    fake_peer(st.dir, "sub", stop, beat=lambda n: {"count": n, "phase": 7})
+    try:
+        t0 = time.time()
+        with pytest.raises(mgrpo.StoreError, match=r"p000007-t0-results.*stays in phase 7.*--progress-timeout"):
+            st.wait("p000007-t0-results")
+        assert 1.5 <= time.time() - t0 < 6
+    finally:
+        stop.set()
+        st.close()
+
+
+def test_planted_records_give_errors_that_name_the_record_and_the_store(tmp_path):
+    st = mgrpo.FileStore(str(tmp_path), "r", "sub")
+    try:
+        plant = {"p000001-t0-tasks": "[1, 2, 3]", "p000001-t1-tasks": "{" * 50000,
+                 "p000001-t2-tasks": '{"tasks": ' + "[" * 100000 + "]" * 100000 + "}", "p000001-t3-tasks": "\xff\xfe"}
+        for key, text in plant.items():
+            with open(os.path.join(st.dir, key + ".json"), "w", errors="surrogateescape") as f:
+                f.write(text)
+        os.mkdir(os.path.join(st.dir, "p000001-t4-tasks.json"))
+        victim = tmp_path / "outside.json"
+        victim.write_text('{"secret": 1}')
+        os.symlink(victim, os.path.join(st.dir, "p000001-t5-tasks.json"))
+        for key in list(plant) + ["p000001-t4-tasks", "p000001-t5-tasks"]:
+            with pytest.raises(mgrpo.StoreError) as e:
+                st.read(key)
+            assert key in str(e.value) and st.dir in str(e.value)
+        # a record that is JSON but not what the peer writes
+        for rec in [{"tasks": "city of ada"}, {"tasks": [1], "questions": [[1, 1]], "seed": 0, "greedy": False},
+                    {"tasks": ["x"], "questions": [[1, 9]], "seed": 0, "greedy": False},
+                    {"tasks": ["x", "y"], "questions": [[1, 1]], "seed": 0, "greedy": False}]:
+            with pytest.raises(mgrpo.StoreError, match="p000001-t0-tasks"):
+                mgrpo.store_record(st, "p000001-t0-tasks", rec, mgrpo.TASKS,
+                                   lambda r: len(r["tasks"]) == len(r["questions"]))
+        # writing over a planted symlink replaces the link, never the file it points to
+        st.put("p000001-t5-tasks", {"tasks": []})
+        assert victim.read_text() == '{"secret": 1}' and st.read("p000001-t5-tasks") == {"tasks": []}
+    finally:
+        st.close()
+
+
+def test_a_second_process_of_the_same_role_is_refused(tmp_path):
+    st = mgrpo.FileStore(str(tmp_path), "r", "main")
+    try:
+        code = ("import sys, mgrpo\ntry:\n    mgrpo.FileStore(sys.argv[1], 'r', 'main')\nexcept mgrpo.StoreError as e:\n"
+                "    print(e); sys.exit(3)\n")
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 3 and "another main role is running" in r.stdout
+        r = subprocess.run([sys.executable, "-c", code.replace("'main'", "'sub'"), str(tmp_path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0  # the other role is welcome
+    finally:
+        st.close()
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['PWNED']}",))
+
+
+def test_a_planted_checkpoint_runs_no_code(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    mgrpo.main(SHORT + ["--out", str(out)])
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("PWNED", str(marker))
+    for ckpt in mgrpo.checkpoints(str(out)):
+        torch.save({"index": Payload()}, os.path.join(ckpt, "state.pt"))
+    s = mgrpo.main(SHORT + ["--out", str(out), "--resume"])
+    assert not marker.exists()
+    printed = capsys.readouterr().out
+    assert printed.count("cannot be loaded") == 2 and "starting afresh" in printed and s["steps"] == 3
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
+    out = tmp_path / "run"
+    mgrpo.main(SHORT + ["--out", str(out)])
+    before, latest = mgrpo.checkpoints(str(out))
+    with open(os.path.join(latest, "state.pt"), "wb") as f:
+        f.write(b"\x00 not a checkpoint")
+    agents, index, lines = mgrpo.load_checkpoint(str(out), ["main", "sub"], mgrpo.parse_args(SHORT))
+    assert "cannot be loaded" in capsys.readouterr().out
+    assert index == int(os.path.basename(before)[5:]) and set(agents) == {"main", "sub"}
+
+
+def test_a_killed_save_leaves_nothing_that_breaks_later_saves(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    mgrpo.main(SHORT + ["--out", str(out)])
+    agents, index, lines = mgrpo.load_checkpoint(str(out), ["main", "sub"], mgrpo.parse_args(SHORT))
+    real = torch.save
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):  # killed midway: weights written, state not
+        mgrpo.save_checkpoint(str(out), agents, index + 1, lines)
+    assert any(n.startswith("ckpt-tmp-") for n in os.listdir(out))
+    os.makedirs(os.path.join(out, "ckpt.old", "main"))  # what the old scheme left behind
+    monkeypatch.setattr(torch, "save", real)
+    for i in (1, 2, 3):
+        mgrpo.save_checkpoint(str(out), agents, index + i, lines)
+    assert [os.path.basename(p) for p in mgrpo.checkpoints(str(out))] == [f"ckpt-{index + 2:08d}", f"ckpt-{index + 3:08d}"]
+    assert not any(n.startswith("ckpt-tmp-") for n in os.listdir(out))
+
+
+def test_a_non_finite_cold_start_stops_before_any_checkpoint(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    real, calls = mgrpo.token_logprobs, []
+
+    def diverging(*a, **k):  # the cold start's loss turns NaN at its third step
+        calls.append(1)
+        return real(*a, **k) * (float("nan") if len(calls) == 3 else 1.0)
+    monkeypatch.setattr(mgrpo, "token_logprobs", diverging)
+    with pytest.raises(FloatingPointError, match="cold start"):
+        mgrpo.main(SHORT + ["--sft-steps", "20", "--out", str(out)])
+    assert mgrpo.checkpoints(str(out)) == []
+
+
+def test_metrics_are_rewritten_atomically_on_resume(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    mgrpo.main(SHORT + ["--out", str(out)])
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    # the newest checkpoint is gone: a resume goes back one and drops the lines after it
+    import shutil
+    shutil.rmtree(mgrpo.checkpoints(str(out))[-1])
+    real_open = builtins.open
+
+    class Broken:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def writelines(self, rows):  # a crash in the middle of the rewrite
+            self.f.write(next(iter(rows)))
+            raise KeyboardInterrupt
+
+    def opener(file, mode="r", *a, **k):
+        f = real_open(file, mode, *a, **k)
+        return Broken(f) if "metrics.jsonl" in str(file) and "w" in mode else f
+    monkeypatch.setattr(builtins, "open", opener)
+    with pytest.raises(KeyboardInterrupt):
+        mgrpo.main(SHORT + ["--out", str(out), "--resume"])
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert path.read_text().splitlines() == lines  # whole, as before the crash

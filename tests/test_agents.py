@@ -88,20 +88,6 @@ def test_untrained_models_run_a_whole_step(args, agents):
     assert rec["success"] == 0.0
 
 
-def test_rollout_masks_tool_output_and_sub_results(args, agents):
-    """Scripted agents stand in for trained ones: every inserted token has mask 0."""
-    main, sub = agents
-    qs = [toy_tools.make_question(11, 1)]
-    delegate = mgrpo.local_delegate(sub, args, toy_tools.ToySearch())
-    mains, subs = mgrpo.rollout(main, delegate, qs, 2, args, seed=0)
-    for t in mains + subs:
-        assert len(t.ids) == len(t.mask) == len(t.logp)
-        assert all(lp == 0.0 for lp, m in zip(t.logp, t.mask) if not m)
-        assert all(lp < 0.0 for lp, m in zip(t.logp, t.mask) if m)
-        prompt = mgrpo.prompt_ids(main, "main", qs[0].text) if t in mains else mgrpo.prompt_ids(sub, "sub", t.task)
-        assert t.ids[:len(prompt)] == prompt and not any(t.mask[:len(prompt)])
-
-
 def _grads(agent, trajs, adv, args):
     agent.opt = torch.optim.SGD(agent.model.parameters(), lr=0.0)  # keep weights, read .grad
     mgrpo.update_agent(agent, trajs, adv, args)
@@ -122,7 +108,7 @@ def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
     full = _grads(copy.deepcopy(main), trajs, adv, a)
     a.micro_batch = 4
     micro = _grads(copy.deepcopy(main), trajs, adv, a)
-    assert torch.allclose(full, micro, atol=1e-6)
+    assert full.abs().sum() > 1e-3 and torch.allclose(full, micro, atol=1e-6)  # not two zero gradients
 
 
 def test_non_finite_loss_fails_fast(args, agents):
@@ -142,24 +128,3 @@ def test_save_and_load_with_from_pretrained(tmp_path, args, agents):
     with torch.no_grad():
         assert torch.allclose(main.model(ids).logits, loaded.model(ids).logits, atol=1e-6)
     assert loaded.stop_ids == main.stop_ids and loaded.suppress == main.suppress
-
-
-def test_step_by_step_logprobs_equal_generates_own_logits(agents):
-    """`SampledLogprobs` keeps one step's log-softmax instead of every step's logits: the
-    tokens and log-probs are those of generate's own suppress_tokens and output_logits."""
-    from transformers import GenerationConfig
-    main, _ = agents
-    ctx = [mgrpo.prompt_ids(main, "main", t) for t in ["country of ada ?", "country of friend of bo ?"]]
-    ours = mgrpo.generate(main, ctx, 8, seed=3)
-    L = max(map(len, ctx))
-    ids = torch.tensor([[main.pad_id] * (L - len(c)) + c for c in ctx])
-    attn = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in ctx])
-    torch.manual_seed(3)
-    out = main.model.generate(input_ids=ids, attention_mask=attn, generation_config=GenerationConfig(
-        max_new_tokens=8, pad_token_id=main.pad_id, eos_token_id=list(main.stop_ids), do_sample=True, top_k=0,
-        top_p=1.0, suppress_tokens=list(main.suppress), output_logits=True, return_dict_in_generate=True))
-    new = out.sequences[:, L:]
-    lp = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0]
-    for (tokens, logp, _), row, row_lp in zip(ours, new.tolist(), lp.tolist()):
-        assert tokens == row[:len(tokens)] and logp == pytest.approx(row_lp[:len(tokens)], abs=1e-6)
-    assert not set(t for toks, _, _ in ours for t in toks) & set(main.suppress)

@@ -157,7 +157,8 @@ def test_chat_training_one_process_trains_on_the_sampled_ids(chat_dir, tmp_path,
     assert multi_turn > 0
     # fp32, one epoch: the recomputed log-probs equal the sampling ones (ratio 1)
     for r in steps:
-        assert r["approx_kl_main"] < 1e-6 and r.get("approx_kl_sub", 0.0) < 1e-6
+        assert r["approx_kl_main"] < 1e-6 and ("approx_kl_sub" not in r or r["approx_kl_sub"] < 1e-6)
+    assert sum("approx_kl_sub" in r for r in steps) > 0  # S trained in some step: its ratio was checked
 
 
 def test_chat_two_processes(chat_dir, tmp_path):
@@ -176,8 +177,7 @@ def test_chat_two_processes(chat_dir, tmp_path):
     assert [r["step"] for r in sub_rows] == [1, 2] and [r["step"] for r in main_steps] == [1, 2]
     assert sum(r["sub_calls"] for r in main_steps) > 0 and sum(r["gen_tokens_sub"] for r in sub_rows) > 0
     assert any("approx_kl_sub" in r for r in sub_rows)
-    for r in sub_rows:
-        assert r.get("approx_kl_sub", 0.0) < 1e-6
+    assert all(r["approx_kl_sub"] < 1e-6 for r in sub_rows if "approx_kl_sub" in r)
     for r in main_steps:
         assert r["approx_kl_main"] < 1e-6
 

@@ -169,12 +169,13 @@ def test_two_processes_equal_one_process(reference, models, tmp_path):
         assert 0 < json.load(f)["store_share_of_step_time"] < 0.5
 
 
-def test_unsync_is_one_step_behind_and_equal_across_processes(reference, models, tmp_path):
+def test_unsync_is_equal_across_processes(reference, models, tmp_path):
+    """--unsync in one process and in two gives the same run (that S trains on exactly the step
+    before's batch is checked in test_glue.py)."""
     both = str(tmp_path / "unsync-both")
     subprocess.run(_cmd("--out", both, "--unsync", *models), check=True, stdout=subprocess.DEVNULL, timeout=400)
     ref, un = _rows(reference), _rows(both)
     assert ref[0] == un[0]           # step 1: the same rollouts; S's first update is deferred
-    assert ref[1:] != un[1:]         # from step 2 on, S samples with one update less
     outs, _ = _two_processes(tmp_path, "unsync", "--unsync", *models)
     assert _main_and_sub_rows(outs) == un
 

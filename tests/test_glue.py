@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+import transformers
 
 import mgrpo
 import toy_tools
@@ -228,8 +229,16 @@ def test_single_agent_has_no_sub_agent(tmp_path):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padding_on_either_side_scores_like_no_padding(agents, side):
+@pytest.mark.parametrize("positions", ["rotary", "absolute"])
+def test_padding_on_either_side_scores_like_no_padding(agents, side, positions):
+    """Rotary models (Llama, Qwen) are blind to a shift of every position; a model with learned
+    absolute positions (GPT-2) is not, so it checks that position ids skip the padding."""
     _, main, _ = agents
+    model = main.model
+    if positions == "absolute":
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=len(main.tok), n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
     rows = [mgrpo.prompt_ids(main, "main", q.text) + [7, 8, 9][:n] for n, q in enumerate(Q + Q)]
     L = max(map(len, rows)) + 2
     ids = torch.full((len(rows), L), main.pad_id)
@@ -238,9 +247,9 @@ def test_padding_on_either_side_scores_like_no_padding(agents, side):
         span = slice(L - len(r), L) if side == "left" else slice(0, len(r))
         ids[b, span], attn[b, span] = torch.tensor(r), 1
     with torch.no_grad():
-        padded = mgrpo.token_logprobs(main.model, ids, attn)
+        padded = mgrpo.token_logprobs(model, ids, attn)
         for b, r in enumerate(rows):
-            alone = mgrpo.token_logprobs(main.model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
+            alone = mgrpo.token_logprobs(model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
             span = slice(L - len(r), L) if side == "left" else slice(0, len(r))
             assert torch.allclose(padded[b, span], alone, atol=1e-5)
             assert padded[b][attn[b] == 0].abs().max() == 0  # padding scores 0

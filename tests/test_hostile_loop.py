@@ -29,6 +29,7 @@ def scripted(strings, sampled):
     return generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chat", [False, True])
 def test_fuzzed_turns_through_the_tool_loop_and_a_training_step(chat, monkeypatch):
     args = mgrpo.parse_args(["--sft-steps", "0", "--main-max-turns", "4", "--sub-max-turns", "4",

@@ -36,6 +36,7 @@ def fake_peer(store_dir, role, stop, beat=lambda n: {"count": n}, every=0.2):
     return t
 
 
+@pytest.mark.slow
 def test_heartbeat_survives_write_errors_and_stops_the_role_when_they_persist(tmp_path, monkeypatch, capsys):
     st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=4.0)  # it gives up after 2 s of failures
     real, failures = st._write, {"n": 0, "until": 2}
@@ -63,6 +64,7 @@ def test_heartbeat_survives_write_errors_and_stops_the_role_when_they_persist(tm
         st.close()
 
 
+@pytest.mark.slow
 def test_staleness_is_judged_on_the_readers_clock(tmp_path):
     """A live peer whose wall clock is two minutes behind (or ahead) is alive: its counter moves."""
     st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=1.0)
@@ -82,6 +84,7 @@ def test_staleness_is_judged_on_the_readers_clock(tmp_path):
 
 @pytest.mark.parametrize("beat", ['[1, 2]', '{"count": NaN}', '{"count": "7"}', '{"count": true}', '{"count": 1e999}',
                                   '{"time": NaN}', 'garbage', '{"count": ' + '[' * 100000 + ']' * 100000 + '}'])
+@pytest.mark.slow
 def test_a_malformed_heartbeat_is_stale_not_a_crash_or_a_hang(tmp_path, beat):
     st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=1.0)
     stop = threading.Event()
@@ -96,6 +99,7 @@ def test_a_malformed_heartbeat_is_stale_not_a_crash_or_a_hang(tmp_path, beat):
         st.close()
 
 
+@pytest.mark.slow
 def test_a_live_peer_that_never_progresses_is_named(tmp_path):
     st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=5.0, progress_timeout=1.5)
     stop = threading.Event()
@@ -140,6 +144,7 @@ def test_planted_records_give_errors_that_name_the_record_and_the_store(tmp_path
         st.close()
 
 
+@pytest.mark.slow
 def test_a_second_process_of_the_same_role_is_refused(tmp_path):
     st = mgrpo.FileStore(str(tmp_path), "r", "main")
     try:

@@ -115,6 +115,7 @@ def test_main_context_stays_short_single_agent_context_grows():
     assert single_len > 3 * main_len, (main_len, single_len)
 
 
+@pytest.mark.slow
 def test_same_seed_same_run_and_http_search_agrees(tmp_path):
     srv = toy_tools.make_server(0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -147,6 +148,7 @@ def test_success_rises(cold_start_dir, tmp_path):
     assert sum(r["main_reward"] for r in last) > sum(r["main_reward"] for r in first)
 
 
+@pytest.mark.slow
 def test_bench_script_runs():
     import subprocess
     import sys
@@ -157,6 +159,7 @@ def test_bench_script_runs():
     assert "0.1M" in r.stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_sub_probe_script_runs():
     import subprocess
     import sys

@@ -1,38 +1,39 @@
-"""The toy deep-research task, its search tool, reward checkers and cold-start demos.
+"""The toy deep-research task (questions, search tool, reward checkers, cold-start demos), and what any
+task uses: the tokenizers of the models built in code, the action formats and their parsers, an HTTP
+search client. mgrpo.py reaches a task only through this interface; a task is a module (--task NAME,
+or the path of a .py file) with:
 
-Every question comes with its own small knowledge base, generated from the question's seed, so
-nothing can be memorised: to answer "country of ada ?" the agents must look up where ada lives and
-then which country that city is in, and read the answers off what the search tool returns.
+    WORDS                                    its words: the word-level vocabulary of models built in code
+    SYSTEM                                   {"main", "sub", "single"}: the chat models' system prompts
+    make_question(seed, level)               -> an object with .seed, .level, .text (ValueError: no level)
+    answer_correct(question, answer)         -> bool: r_correct, eq. 4
+    expert_score(question, subtask, result)  -> float in [0, 1]: r_expert, eq. 5
+    search_tool()                            -> .search(query, seed, level) -> [{"url", "title", "content"}]
+                                                and .visit(url, max_chars, allowed) -> text; both raise SearchError
+    demo(question, rng, noise, kind, chat)   -> a scripted conversation (messages) for the cold start
+
+This module is the toy task; tests/sum_task.py is a second one. The toy task: every question has its
+own knowledge base, made from the question's seed, so nothing can be memorised. "country of ada ?"
+needs the city where ada lives and that city's country, read off search results ("ada lives avon",
+"avon in norland", "ada friend bo"); M's sub-tasks read "city of ada", "country of avon", "friend of
+ada", and S returns one entity.
 
     level 1 (stage 1, easy):  "country of X ?"            2 hops, 3 short clean snippets per search
     level 2 (stage 2, hard):  "country of friend of X ?"  3 hops, 8 snippets, most of them noise
 
-Facts read "ada lives avon", "avon in norland", "ada friend bo". A sub-task, written by the main
-agent, reads "city of ada", "country of avon" or "friend of ada"; the sub-agent searches and returns
-one entity. Level 2 is deep research in miniature: a search matches the entity anywhere in a fact
-(so "avon" also finds "bo lives avon"), and the list is long, so the fact asked for must be read out
-of much noise. The sub-agent reads each list and hands back one word; an agent that searches for
-itself keeps every list in its own context.
-
-The search tool runs in-process (`ToySearch`) or as an HTTP server on 127.0.0.1
-(`python toy_tools.py serve --port 8765`, client `HttpSearch`). Protocol, shaped like SearXNG's JSON API:
-
-    GET /search?q=<query>&format=json&kb=<question seed>&level=<1|2>
-    -> 200 {"query": q, "results": [{"url": ..., "title": ..., "content": "ada lives avon"}, ...]}
-    -> 400 {"error": "..."} on a bad request
-    GET /page/<kb>/<level>/<entity>   (a result's url)
-    -> 200 an HTML page with every fact about the entity
-
-Both paths return the same results and page texts for the same (kb, level, query).
-
-Chat models (real instruct models, or the tiny Qwen2-style ones of `--chat`) do not use the word-level
-tags: they call tools as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (tools `sub_agent`,
-`search`, `visit`) and answer as <answer> ... </answer>; see "Chat models" below.
+Level 2 is deep research in miniature: a search matches the entity anywhere in a fact ("avon" also
+finds "bo lives avon") and the fact asked for must be read out of much noise. The search tool runs
+in-process (`ToySearch`) or as a server on 127.0.0.1 (`python toy_tools.py serve`), shaped like
+SearXNG's JSON API: GET /search?q=<query>&format=json&kb=<seed>&level=<level> -> {"query", "results":
+[{"url", "title", "content"}]}; a result's url, GET /page/<kb>/<level>/<entity>, is an HTML page. Both
+give the same results and pages. Chat models call tools as <tool_call>{"name": ..., "arguments": {...}}
+</tool_call> and answer as <answer> ... </answer>.
 """
 import argparse
 import json
 import random
 import re
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -47,33 +48,33 @@ COUNTRIES = "norland sudia westia eastia midia".split()
 RELATIONS = {"city": ("lives", PERSONS, CITIES),
              "country": ("in", CITIES, COUNTRIES),
              "friend": ("friend", PERSONS, PERSONS)}
-N_SNIPPETS = {1: 3, 2: 8}
+N_SNIPPETS = {1: 3, 2: 8, 3: 12}
 N_MENTIONS = 3  # level 2: at most this many facts that name the entity as their value
 
-# Every word the toy agents can read or write: the word-level vocabulary.
+# The word-level vocabulary of the models built in code: special tokens, the turn and action tags
+# (any task), then the task's WORDS.
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
-WORDS = (["<system>", "<user>", "<assistant>", "<tool>",
-          "<think>", "</think>", "<call>", "</call>", "<answer>", "</answer>",
-          "<search>", "</search>", "<return>", "</return>",
-          "country", "city", "friend", "of", "?", "lives", "in", ";", "none"]
-         + PERSONS + CITIES + COUNTRIES)
+STRUCTURE = ["<system>", "<user>", "<assistant>", "<tool>", "<think>", "</think>", "<call>", "</call>",
+             "<answer>", "</answer>", "<search>", "</search>", "<return>", "</return>"]
+WORDS = ["country", "city", "friend", "of", "?", "lives", "in", ";", "none"] + PERSONS + CITIES + COUNTRIES
 # Renders each message on its own, so a context can be grown one message at a
 # time and equal the render of the whole conversation (see tests).
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}"
+WORD_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}"
                  "{% if m['role'] == 'assistant' %} <eos>{% endif %} {% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def toy_tokenizer():
-    """A word-level Hugging Face tokenizer over the toy vocabulary, with a chat template."""
+def word_tokenizer(words=WORDS):
+    """A word-level Hugging Face tokenizer over the tags and a task's words, with a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
+    words = list(words) + [w for w in (";", "none") if w not in words]  # search_observation's, rollout's
+    vocab = {w: i for i, w in enumerate(SPECIAL + STRUCTURE + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     t = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                 unk_token="<unk>", padding_side="left")
-    t.chat_template = CHAT_TEMPLATE
+    t.chat_template = WORD_TEMPLATE
     return t
 
 
@@ -104,18 +105,17 @@ def fact_text(rel, subject, value):
 
 def make_question(seed, level):
     if level not in N_SNIPPETS:
-        raise ValueError(f"level must be 1 or 2, got {level!r}")
-    kb = knowledge_base(seed, level)
-    x = random.Random(seed + 1).choice(PERSONS)
-    if level == 1:
-        return Question(seed, level, f"country of {x} ?", kb[("country", kb[("city", x)])])
-    y = kb[("friend", x)]
-    return Question(seed, level, f"country of friend of {x} ?", kb[("country", kb[("city", y)])])
+        raise ValueError(f"level must be 1, 2 or 3, got {level!r}")
+    kb, x = knowledge_base(seed, level), random.Random(seed + 1).choice(PERSONS)
+    text = "country of " + "friend of " * (level - 1) + f"{x} ?"
+    for rel in chain(level):
+        x = kb[(rel, x)]
+    return Question(seed, level, text, x)
 
 
 def chain(level):
-    """The relations a question of this level asks for, in order."""
-    return ["city", "country"] if level == 1 else ["friend", "city", "country"]
+    """The relations a question of this level asks for, in order (level 3: 4 hops, 12 snippets per search)."""
+    return ["friend"] * (level - 1) + ["city", "country"]
 
 
 def stable_seed(*parts):
@@ -134,7 +134,7 @@ def search_results(seed, level, query):
     hits = [k for k in kb if k[1] in words][:n]
     rng = random.Random(stable_seed(seed, level, query))
     own = {h[0] for h in hits}  # relations of the facts about the entity
-    if level == 2:
+    if level >= 2:
         # full-text match: facts that name the entity as their value come up too ("bo lives
         # avon" for "avon"), those of another relation than the entity's own facts
         mentions = [k for k in kb if k[1] not in words and kb[k] in words and k[0] not in own]
@@ -229,7 +229,7 @@ class HttpSearch:
 
     def __init__(self, url, timeout=10.0, retries=2, backoff=0.5, max_bytes=2_000_000, visit_hosts=()):
         self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), timeout, retries, backoff
-        self.max_bytes, self.visit_hosts = max_bytes, {h.lower() for h in visit_hosts}
+        self.max_bytes, self.visit_hosts = max_bytes, {h.strip().lower() for h in visit_hosts if h.strip()}
 
     def _get(self, url, params, what):
         """(response, text cut to max_bytes, was it longer?) of a GET with a total deadline; retries
@@ -319,7 +319,7 @@ class _Handler(BaseHTTPRequestHandler):
                 query = qs.get("q", [""])[0]
                 seed, level = int(qs["kb"][0]), int(qs.get("level", ["1"])[0])
                 if level not in N_SNIPPETS:
-                    raise ValueError("level must be 1 or 2")
+                    raise ValueError("no such level")
                 results = search_results(seed, level, query)
                 for r in results:  # the pages live on this server
                     r["url"] = r["url"].replace("toy:/", f"http://{self.headers.get('Host', 'localhost')}", 1)
@@ -350,7 +350,7 @@ def make_server(port=0):
 
 
 # ---------------------------------------------------------------------------------------
-# Parsing model output and reward checkers (spec 2)
+# Parsing model output; the reward checkers (r_correct of eq. 4, r_expert of eq. 5)
 # ---------------------------------------------------------------------------------------
 # Model output is untrusted: the parsers take any str, in linear time (no backtracking regex), and
 # answer None (format 0) for all but exactly one action. _TAG: a tag of either format or a role; in
@@ -401,7 +401,7 @@ def answer_correct(q, answer):
 
 
 def expert_score(q, task, result):
-    """r_expert [choice, spec 2]: did the sub-agent return the fact its sub-task asked for?"""
+    """r_expert of eq. 5 (the paper uses an LLM judge): did the sub-agent return the fact its sub-task asked for?"""
     parsed = parse_subtask(task)
     if parsed is None or result is None:
         return 0.0
@@ -499,19 +499,20 @@ CHAT_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response
               "<think>", "</think>"]
 
 
-def chat_tokenizer(vocab_size=768):
-    """A byte-level BPE tokenizer in Qwen's style (pad <|endoftext|>, eos <|im_end|>), its
-    merges learned from toy conversations in a second, with the Qwen-style template."""
+def chat_tokenizer(task=None, vocab_size=768):
+    """A byte-level BPE tokenizer in Qwen's style (pad <|endoftext|>, eos <|im_end|>), its merges
+    learned in a second from a task's conversations (this module's by default), with the Qwen-style template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    rng = random.Random(0)
-    corpus = [SYSTEM[w] + json.dumps([TOOLS[n] for n in CHAT_TOOLS[w]]) for w in SYSTEM]
+    task, rng = task or sys.modules[__name__], random.Random(0)
+    corpus = [task.SYSTEM[w] + json.dumps([TOOLS[n] for n in CHAT_TOOLS[w]]) for w in task.SYSTEM]
     corpus += 50 * [QWEN_STYLE_TEMPLATE, "system\nuser\nassistant\n"]
     for s in range(300):
-        q = make_question(s, 1 + s % 2)
-        for msgs in (main_demo(q, rng, 0.2, chat=True), single_demo(q, rng, 0.2, chat=True),
-                     sub_demo(q, rng, 0.2, chat=True)):
-            corpus += [m["content"] for m in msgs]
+        try:
+            q = task.make_question(s, 1 + s % 2)
+        except ValueError:  # a task with one level
+            q = task.make_question(s, 1)
+        corpus += [m["content"] for kind in ("main", "single", "sub") for m in task.demo(q, rng, 0.2, kind, True)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -556,6 +557,16 @@ def single_demo(q, rng, p, chat=False):
     return main_demo(q, rng, p, single=True, chat=chat)
 
 
+def demo(q, rng, p, kind, chat=False):
+    """The task interface's demo: a scripted conversation of agent `kind` (main, sub, single)."""
+    return {"main": main_demo, "sub": sub_demo, "single": single_demo}[kind](q, rng, p, chat=chat)
+
+
+def search_tool():
+    """The task interface's search tool: this task's own, in-process."""
+    return ToySearch()
+
+
 def sub_demo(q, rng, p, chat=False):
     """A scripted sub-agent conversation: one search, then return the value read off it.
     Chat models visit the entity's page first in about a third of the demos."""
@@ -578,22 +589,9 @@ def sub_demo(q, rng, p, chat=False):
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Toy search tool. `serve` runs the HTTP server; "
-                                 "`ask` prints a question and a search.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="serve the search tool on 127.0.0.1")
-    s.add_argument("--port", type=int, default=8765)
-    a = sub.add_parser("ask", help="print one question and one search")
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--level", type=int, default=1)
-    a.add_argument("--query", default=None)
-    args = ap.parse_args()
-    if args.cmd == "serve":
-        srv = make_server(args.port)
-        print(f"toy search on http://127.0.0.1:{srv.server_address[1]}/search", flush=True)
-        srv.serve_forever()
-    else:
-        q = make_question(args.seed, args.level)
-        print(q)
-        query = args.query or q.text.split()[-2]
-        print(search_observation(search_results(q.seed, q.level, query)))
+    ap = argparse.ArgumentParser(description="The toy search tool as an HTTP server on 127.0.0.1.")
+    ap.add_argument("command", choices=["serve"])
+    ap.add_argument("--port", type=int, default=8765)
+    srv = make_server(ap.parse_args().port)
+    print(f"toy search on http://127.0.0.1:{srv.server_address[1]}/search", flush=True)
+    srv.serve_forever()

@@ -10,6 +10,7 @@ about two sub-agent calls per rollout) rather than a random model's garbage.
 Figures are wall-clock on whatever machine runs it; compare sizes within one run.
 """
 import argparse
+import functools
 import os
 import resource
 import sys
@@ -36,8 +37,8 @@ def main():
         main_a, sub_a = mgrpo.load_agent("", args, 0), mgrpo.load_agent("", args, 1)
         mgrpo.cold_start(main_a, "main", args, 0)
         mgrpo.cold_start(sub_a, "sub", args, 1)
-        play = mgrpo.system(main_a, mgrpo.local_delegate(sub_a, args, search), args, search)
-        recs = [mgrpo.train_step(main_a, play, s, args, sub_a) for s in range(b.steps + 2)][2:]
+        delegate = functools.partial(mgrpo.run_sub_agents, sub_a, args, search)
+        recs = [mgrpo.train_step(main_a, sub_a, s, args, delegate, search) for s in range(b.steps + 2)][2:]
         m = {k: float(np.mean([r[k] for r in recs])) for k in
              ("t_gen", "t_fwd", "t_bwd", "t_step", "gen_tokens_per_s", "train_tokens_per_s", "sub_calls")}
         n = sum(p.numel() for p in main_a.model.parameters())

@@ -19,6 +19,7 @@ process of its own (so that its peak memory is its own):
 Figures are wall-clock on whatever machine runs it; compare the rows of one run.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -118,9 +119,9 @@ def record(b, folder):
         calls.append(("main" if agent is agents["main"] else "sub", contexts, max_new_tokens, seed, greedy))
         return real(agent, contexts, max_new_tokens, seed, greedy)
     mgrpo.generate = recording
-    play = mgrpo.system(agents["main"], mgrpo.local_delegate(agents["sub"], args, search), args, search)
+    delegate = functools.partial(mgrpo.run_sub_agents, agents["sub"], args, search)
     for step in range(b.steps):
-        mgrpo.train_step(agents["main"], play, step, args, agents["sub"])
+        mgrpo.train_step(agents["main"], agents["sub"], step, args, delegate, search)
     mgrpo.generate = real
     with open(os.path.join(folder, "calls.json"), "w") as f:
         json.dump(calls, f)

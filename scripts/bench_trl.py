@@ -30,7 +30,7 @@ import toy_tools  # noqa: E402
 
 PROMPTS = ["country of ada ?", "country of bo ?", "city of cy", "friend of dex", "country of avon",
            "city of eli", "friend of fay", "country of friend of gus ?"]
-SIZES = {"0.1M": mgrpo.SIZES["0.1M"], "1M": mgrpo.SIZES["1M"], "4M": mgrpo.SIZES["4M"]}
+SIZES = ("0.1M", "1M", "4M")
 
 
 def reward(completions, **kw):
@@ -42,7 +42,8 @@ def build(size, tok):
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(vocab_size=len(tok), tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
                                    eos_token_id=tok.eos_token_id, bos_token_id=None, max_position_embeddings=256,
-                                   **SIZES[size])
+                                   **dict(zip(("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                               "num_key_value_heads", "intermediate_size"), mgrpo.SIZES[size])))
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
@@ -113,7 +114,7 @@ def main():
               "  pip install torch==2.13.0 -r requirements.txt trl")
         return 0
     transformers.utils.logging.set_verbosity_error()
-    tok = toy_tools.toy_tokenizer()
+    tok = toy_tools.word_tokenizer()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{torch.get_num_threads()} threads; 8 prompts x 8 completions x up to {b.new_tokens} new tokens; "
           f"median of {b.steps} steps after 3 warm-up steps")

@@ -1,24 +1,31 @@
-"""The paper's comparisons (spec 8) rerun on the toy task, in stage 2 of a two-stage curriculum.
+"""The paper's comparisons, rerun on the toy task over several stage 1s and seeds, with the
+uncertainty that comes from both.
 
-Arms, all from the same stage-1 checkpoint and with the same settings otherwise:
-  co-train          M-GRPO: both agents train (the paper's (a))
-  co-train unsync   the same, S one step behind (the paper's off-policy version, Fig. 8)
-  main-only         S frozen at the stage-1 checkpoint, M trains (the paper's (b))
-  single-agent      one model given S's search tool, plain GRPO (the paper's (c))
+Every run follows the paper's two-stage curriculum. Stage 1, once per --stage1-seeds: a cold
+start on noisy scripted demos of the task's levels (the stand-in for a pretrained model), then
+--stage1-steps of M-GRPO on level-1 questions. Stage 2: every arm starts from that stage 1 and
+trains --stage2-steps on harder questions, once per --seeds. The single agent gets a stage 1 of
+its own, built the same way. Arms (the paper's Sec. 4):
+  co-train          M-GRPO: both agents train
+  co-train unsync   the same, S trained one step behind (the paper's off-policy version)
+  main-only         S frozen as stage 1 left it, M trains
+  single-agent      one model that searches for itself, plain GRPO
 
-Stage 1 runs once, with --stage1-seed, and every arm and seed starts from it, as in the
-paper: a cold start on noisy demos of both task levels (formats, and the stand-in for a
-pretrained model), then --stage1-steps of RL on level-1 (easy) questions. The system
-(M and S) and the single agent each get their own stage 1, built the same way.
-Stage 2: every arm, --stage2-steps at level 2 (long, noisy search results), per seed.
+--experiment picks a setting and the two arms to compare (any --arms may be added):
+  paper    level 2 (3 hops, 8 noisy snippets per search): co-train against main-only
+  unsync   level 2 with S moving fast (its learning rate 1e-3, 3.3 times M's): co-train against unsync
+  single   level 3 (4 hops, 12 noisy snippets), where a single agent's context fills its
+           model's 256 positions while M's stays short: co-train against single-agent
 
-    python scripts/compare.py              # 4 arms x 3 seeds
-    python scripts/compare.py --quick      # a very short version, to check the pipeline
-    python scripts/compare.py --out DIR --resume   # continue one that was interrupted
+    python scripts/compare.py                       # 'paper': 3 stage 1s x 3 seeds x 2 arms
+    python scripts/compare.py --experiment unsync --out runs/compare --resume  # stage 1s reused
+    python scripts/compare.py --quick               # a very short version, to check the pipeline
 
-Writes <out>/results.md (settings, commands, table), <out>/curves.csv (every evaluation),
-<out>/curves.png if matplotlib is installed (optional: pip install matplotlib), and one
-folder per run with its log, metrics.jsonl, args.json and summary.json.
+The report gives each arm's final success over all runs and per stage 1, and the paired
+difference (first arm - second arm, same stage 1 and seed) with a 95% bootstrap interval that
+resamples stage 1s, then seeds within them. Writes <out>/<experiment>/results.md and curves.csv,
+curves.png if matplotlib is installed, and per run a folder with its log, metrics.jsonl,
+args.json and summary.json.
 """
 import argparse
 import csv
@@ -36,47 +43,56 @@ ARMS = {"co-train": ["--mode", "co-train"],
         "co-train unsync": ["--mode", "co-train", "--unsync"],
         "main-only": ["--mode", "main-only"],
         "single-agent": ["--mode", "single-agent"]}
+EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, the cold-start demos
+    "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3"], "1,2,2"),
+    "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", "--lr-sub", "1e-3"], "1,2,2"),
+    "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5"], "1,2,3,3"),
+}
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, one run per arm each")
-    p.add_argument("--stage1-seed", type=int, default=1, help="seed of the one shared stage 1")
-    p.add_argument("--sft-steps", type=int, default=1200, help="cold-start steps (stage 1)")
-    p.add_argument("--sft-levels", default="1,2,2",
-                   help="levels of the cold-start demos, in turn: two level-2 demos for each level-1 one")
-    p.add_argument("--sft-lr", type=float, default=1e-3,
-                   help="cold-start learning rate (stage 1); mgrpo.py's 3e-3 suits level-1 demos alone")
+    p.add_argument("--experiment", default="paper", choices=list(EXPERIMENTS), help="setting and arms, see above")
+    p.add_argument("--arms", nargs="+", default=None, choices=list(ARMS), metavar="ARM",
+                   help=f"arms to run, of {list(ARMS)}; default: the experiment's two")
+    p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3], help="one stage 1 per seed")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
+    p.add_argument("--sft-steps", type=int, default=2400, help="cold-start steps (stage 1)")
+    p.add_argument("--sft-levels", default="",
+                   help="levels of the cold-start demos, in turn; empty: the experiment's (paper, unsync: 1,2,2: "
+                        "two level-2 demos per level-1 one; single: 1,2,3,3)")
+    p.add_argument("--sft-lr", type=float, default=1.5e-3, help="cold-start learning rate (stage 1)")
     p.add_argument("--stage1-steps", type=int, default=60, help="RL steps on level-1 questions (stage 1)")
-    p.add_argument("--stage2-steps", type=int, default=150, help="RL steps on level-2 questions, per arm and seed")
+    p.add_argument("--stage2-steps", type=int, default=150, help="RL steps per stage-2 run")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every N stage-2 steps")
     p.add_argument("--eval-questions", type=int, default=256, help="held-out questions per evaluation")
-    p.add_argument("--threshold", type=float, default=0.8, help="report the first step whose success reaches this")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM",
-                   help=f"arms to run, of {list(ARMS)}")
     p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
                    help="runs at once, each with one thread (tiny models do not gain from more)")
     p.add_argument("--extra", default="", help="more mgrpo.py options for every run, e.g. '--model-size 1M'")
     p.add_argument("--out", default="", help="output folder; empty: runs/compare-<time>")
     p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted comparison in --out: finished runs are reused, "
-                        "cut-off ones continue from their last checkpoint")
+                   help="continue in --out: finished runs with the same options are reused (stage 1s across "
+                        "experiments too), cut-off ones continue from their last checkpoint")
     p.add_argument("--quick", action="store_true",
-                   help="a very short version (tiny budgets, 2 seeds): checks the pipeline, shows nothing")
+                   help="a very short version (2 stage 1s x 2 seeds, tiny budgets): checks the pipeline, shows nothing")
     a = p.parse_args(argv)
     if a.resume and not a.out:
         p.error("--resume needs the --out of the comparison to continue")
+    a.arms = a.arms or EXPERIMENTS[a.experiment][0]
+    a.sft_levels = a.sft_levels or EXPERIMENTS[a.experiment][2]
     if a.quick:
-        a.seeds, a.sft_steps, a.stage1_steps, a.stage2_steps = a.seeds[:2], 150, 2, 4
+        a.stage1_seeds, a.seeds, a.sft_steps, a.stage1_steps, a.stage2_steps = a.stage1_seeds[:2], a.seeds[:2], 150, 2, 4
         a.eval_every, a.eval_questions = 2, 16
     if min(a.sft_steps, a.stage1_steps) < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1:
         p.error("step counts must be >= 0, and --stage2-steps, --eval-every, --eval-questions, --jobs >= 1")
+    if len(set(a.stage1_seeds)) != len(a.stage1_seeds) or len(set(a.seeds)) != len(a.seeds):
+        p.error("--stage1-seeds and --seeds must not repeat a seed")
     return a
 
 
 def run(name, argv, out, resume=False):
-    """One mgrpo.py run in its own process with one thread; returns its summary.
+    """One mgrpo.py run in <out>/<name>, in its own process with one thread; returns its summary.
 
     resume: a run that finished with the same options is reused, one that was cut off
     continues from its last checkpoint (mgrpo.py --resume)."""
@@ -87,7 +103,8 @@ def run(name, argv, out, resume=False):
         with open(cmd_file) as f:
             old = json.load(f)
         if old != argv:
-            raise RuntimeError(f"{folder} holds a run with other options ({' '.join(old)}); use another --out")
+            raise RuntimeError(f"{folder} holds a run with other options ({' '.join(map(str, old))}); "
+                               "use another --out")
         if os.path.exists(summary_file):
             print(f"  reused {name} (finished before)", flush=True)
             with open(summary_file) as f:
@@ -97,7 +114,7 @@ def run(name, argv, out, resume=False):
             json.dump(argv, f)
     cmd = [sys.executable, os.path.join(ROOT, "mgrpo.py"), *argv, "--out", folder] + (["--resume"] if resume else [])
     t0 = time.time()
-    print(f"  start {name} (log: {os.path.join(folder, 'log.txt')})", flush=True)
+    print(f"  start {name}", flush=True)
     with open(os.path.join(folder, "log.txt"), "a" if resume else "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                              env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
@@ -107,7 +124,7 @@ def run(name, argv, out, resume=False):
         raise RuntimeError(f"run {name} failed (exit {rc}); last lines of {folder}/log.txt:\n{tail}")
     with open(summary_file) as f:
         s = json.load(f)
-    print(f"  done {name:28s} success {s['eval_success_start']:.3f} -> {s['eval_success_end']:.3f} "
+    print(f"  done {name:36s} success {s['eval_success_start']:.3f} -> {s['eval_success_end']:.3f} "
           f"({time.time() - t0:.0f}s)", flush=True)
     return s
 
@@ -119,37 +136,73 @@ def curve(folder):
     return [(r["step"], r["eval_success"]) for r in rows if r.get("eval") == "sampled"]
 
 
-def table(curves, arms, threshold):
-    """Markdown rows: final success (mean, spread over seeds) and steps to reach the threshold."""
-    lines = ["| arm | final sampled success, mean ± std | per seed | min - max | "
-             f"first step with success ≥ {threshold} (per seed) |", "|---|---|---|---|---|"]
+def sub_movement(folder):
+    """S's mean approximate KL (sampling policy -> trained policy, per token) and clipped share of
+    tokens over a run's steps: how far S moves per update, and how much of it the clip absorbs."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "approx_kl_sub" in r]
+    if not rows:  # S does not train (main-only) or does not exist (single-agent)
+        return None, None
+    return float(np.mean([r["approx_kl_sub"] for r in rows])), float(np.mean([r["clip_frac_sub"] for r in rows]))
+
+
+def paired_ci(diffs, n_boot=10000, seed=0):
+    """Mean of the paired differences {stage-1 seed: [difference per stage-2 seed]} and its 95%
+    interval from a two-level bootstrap: draw stage 1s with replacement, then seeds within each
+    drawn stage 1 with replacement, and take the mean. Resampling the pairs as if independent would
+    understate the spread, since runs that share a stage 1 move together."""
+    rng = np.random.default_rng(seed)
+    groups = [np.asarray(v, dtype=float) for v in diffs.values()]
+    means = np.empty(n_boot)
+    for b in range(n_boot):
+        picked = [groups[i] for i in rng.integers(len(groups), size=len(groups))]
+        means[b] = np.mean(np.concatenate([g[rng.integers(len(g), size=len(g))] for g in picked]))
+    mean = float(np.mean(np.concatenate(groups)))
+    return mean, float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def tables(finals, arms, stage1_seeds):
+    """Markdown: each arm over all runs, then per stage 1. finals[(arm, s1)] = {metric: [per seed]}."""
+    lines = ["| arm | sampled success at the end, mean ± std | greedy, mean ± std | runs |", "|---|---|---|---|"]
     for arm in arms:
-        runs = curves[arm]
-        final = np.array([c[-1][1] for c in runs])
-        reach = [next((s for s, v in c if v >= threshold), None) for c in runs]
-        reach_s = ", ".join("never" if r is None else str(r) for r in reach)
-        lines.append(f"| {arm} | {final.mean():.3f} ± {final.std():.3f} | "
-                     f"{', '.join(f'{v:.3f}' for v in final)} | {final.min():.3f} - {final.max():.3f} | {reach_s} |")
+        v = {m: np.concatenate([finals[(arm, s1)][m] for s1 in stage1_seeds]) for m in ("sampled", "greedy")}
+        lines.append(f"| {arm} | {v['sampled'].mean():.3f} ± {v['sampled'].std():.3f} | "
+                     f"{v['greedy'].mean():.3f} ± {v['greedy'].std():.3f} | {len(v['sampled'])} |")
+    lines += ["", "| stage 1 | start of stage 2, sampled / greedy | "
+              + " | ".join(f"{arm}: sampled at the end (per seed) | greedy" for arm in arms) + " |",
+              "|---|---|" + "---|---|" * len(arms)]
+    for s1 in stage1_seeds:
+        start = finals[(arms[0], s1)]
+        row = [f"seed {s1}", f"{np.mean(start['start']):.3f} / {np.mean(start['greedy_start']):.3f}"]
+        for arm in arms:
+            f = finals[(arm, s1)]
+            row += [f"{np.mean(f['sampled']):.3f} ({', '.join(f'{x:.3f}' for x in f['sampled'])})",
+                    f"{np.mean(f['greedy']):.3f}"]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def plot(curves, arms, path, title):
-    """Mean and min-max band of sampled success against step, one line per arm."""
+def plot(curves, arms, stage1_seeds, path, title):
+    """One panel per stage 1: each arm's mean sampled success over seeds, with its min-max band."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-    for arm in arms:
-        steps = [s for s, _ in curves[arm][0]]
-        v = np.array([[x for _, x in c] for c in curves[arm]])
-        ax.plot(steps, v.mean(0), marker="o", ms=3, label=arm)
-        ax.fill_between(steps, v.min(0), v.max(0), alpha=0.2)
-    ax.set(xlabel="stage-2 step", ylabel="sampled success (held-out questions)", ylim=(0, 1), title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    fig, axes = plt.subplots(1, len(stage1_seeds), figsize=(3.2 * len(stage1_seeds), 3.4), dpi=120,
+                             sharey=True, squeeze=False)
+    for ax, s1 in zip(axes[0], stage1_seeds):
+        for arm in arms:
+            steps = [s for s, _ in curves[(arm, s1)][0]]
+            v = np.array([[x for _, x in c] for c in curves[(arm, s1)]])
+            ax.plot(steps, v.mean(0), marker="o", ms=3, label=arm)
+            ax.fill_between(steps, v.min(0), v.max(0), alpha=0.2)
+        ax.set(xlabel="stage-2 step", title=f"stage 1 seed {s1}", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("sampled success (held-out)")
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -159,86 +212,108 @@ def plot(curves, arms, path, title):
 def main(argv=None):
     a = parse(argv)
     out = os.path.abspath(a.out or os.path.join("runs", time.strftime("compare-%Y%m%d-%H%M%S")))
-    os.makedirs(out, exist_ok=True)
+    exp_out = os.path.join(out, a.experiment)
+    os.makedirs(exp_out, exist_ok=True)
     t_start = time.time()
-    extra = a.extra.split()
-    common = ["--eval-questions", str(a.eval_questions), *extra]
-    stage1 = ["--level", "1", "--sft-levels", a.sft_levels, "--sft-steps", str(a.sft_steps), "--sft-lr", str(a.sft_lr),
-              "--steps", str(a.stage1_steps), "--eval-every", "0", "--seed", str(a.stage1_seed), *common]
-    # level 2 takes three hops: D = 3 is the paper's rule, P(d_k <= D) ~ 0.99
-    stage2 = ["--level", "2", "--max-sub", "3", "--sft-steps", "0", "--steps", str(a.stage2_steps),
-              "--eval-every", str(a.eval_every), *common]
-    jobs = {"stage1-system": stage1, "stage1-single": stage1 + ["--mode", "single-agent"]}
-    plan = {}
-    for arm in sorted(a.arms, key=lambda arm: arm == "single-agent"):  # its stage 1 takes longest: last
-        s1 = os.path.join(out, "stage1-single" if arm == "single-agent" else "stage1-system")
-        init = ["--main-model", os.path.join(s1, "main")] + (
-            [] if arm == "single-agent" else ["--sub-model", os.path.join(s1, "sub")])
-        for seed in a.seeds:
-            plan[f"{arm.replace(' ', '-')}-seed{seed}"] = (arm, stage2 + ARMS[arm] + init + ["--seed", str(seed)])
-    if not any(arm == "single-agent" for arm in a.arms):
-        jobs.pop("stage1-single")
-    if all(arm == "single-agent" for arm in a.arms):
-        jobs.pop("stage1-system")
-
-    print(f"comparison -> {out}\nevery run: python mgrpo.py <options> --out <folder>; mgrpo.py's defaults "
-          f"for everything not listed (saved in each run's args.json)", flush=True)
+    common = ["--eval-questions", str(a.eval_questions), *a.extra.split()]
+    stage1, stage2_plan, plan = {}, {}, {}
+    s1_prefix = "stage1-levels" + a.sft_levels.replace(",", "")  # experiments with the same demos share them
+    for s1 in a.stage1_seeds:
+        base = ["--level", "1", "--sft-levels", a.sft_levels, "--sft-steps", str(a.sft_steps), "--sft-lr",
+                str(a.sft_lr), "--steps", str(a.stage1_steps), "--eval-every", "0", "--seed", str(s1), *common]
+        if any(arm != "single-agent" for arm in a.arms):
+            stage1[f"{s1_prefix}-seed{s1}-system"] = base
+        if "single-agent" in a.arms:
+            stage1[f"{s1_prefix}-seed{s1}-single"] = base + ["--mode", "single-agent"]
+    for arm in sorted(a.arms, key=lambda arm: arm == "single-agent"):
+        for s1 in a.stage1_seeds:
+            s1_name = f"{s1_prefix}-seed{s1}-" + ("single" if arm == "single-agent" else "system")
+            init = ["--main-model", os.path.join(out, s1_name, "main")] + (
+                [] if arm == "single-agent" else ["--sub-model", os.path.join(out, s1_name, "sub")])
+            for seed in a.seeds:
+                name = f"{a.experiment}/{arm.replace(' ', '-')}-stage1seed{s1}-seed{seed}"
+                plan[name] = (arm, s1, seed, s1_name)
+                stage2_plan[name] = [*EXPERIMENTS[a.experiment][1], "--sft-steps", "0", "--steps",
+                                     str(a.stage2_steps), "--eval-every", str(a.eval_every), *common,
+                                     *ARMS[arm], *init, "--seed", str(seed)]
 
     def show(argv):  # the folders as <out>/..., so results.md reads the same on any machine
         return " ".join(argv).replace(out, "<out>")
 
-    for name, argv in {**jobs, **{k: v[1] for k, v in plan.items()}}.items():
-        print(f"  {name}: {show(argv)}")
-    print(f"stage 1: {len(jobs)} runs; stage 2: {len(plan)} runs; {a.jobs} at a time", flush=True)
+    print(f"comparison '{a.experiment}' -> {exp_out}\nevery run: python mgrpo.py <options> --out <folder>, "
+          f"mgrpo.py's defaults for the rest (saved in each run's args.json)", flush=True)
+    print(f"stage 1: {len(stage1)} runs; stage 2: {len(plan)} runs; {a.jobs} at a time", flush=True)
 
-    def after(stage1_job, name, argv):
-        stage1_job.result()  # raises if stage 1 failed
-        return run(name, argv, out, a.resume)
+    def after(stage1_job, name):
+        stage1_job.result()  # raises if its stage 1 failed
+        return run(name, stage2_plan[name], out, a.resume)
 
     with ThreadPoolExecutor(a.jobs) as pool:
-        # a stage-2 run starts as soon as its own stage 1 is done and a slot is free; the
-        # queue holds each stage 1 before the runs that wait for it, so none waits forever
-        s1_jobs = {name: pool.submit(run, name, argv, out, a.resume) for name, argv in jobs.items()}
-        s2_jobs = [pool.submit(after, s1_jobs["stage1-single" if arm == "single-agent" else "stage1-system"],
-                               name, argv) for name, (arm, argv) in plan.items()]
-        s1 = {name: f.result() for name, f in s1_jobs.items()}
-        pool_results = [f.result() for f in s2_jobs]
-    curves = {arm: [] for arm in a.arms}
-    with open(os.path.join(out, "curves.csv"), "w", newline="") as f:
+        # a stage-2 run starts once its own stage 1 is done; the queue holds every stage 1 before
+        # the runs that wait for it, so none waits forever
+        s1_jobs = {name: pool.submit(run, name, argv, out, a.resume) for name, argv in stage1.items()}
+        s2_jobs = {name: pool.submit(after, s1_jobs[plan[name][3]], name) for name in plan}
+        s1_done = {name: f.result() for name, f in s1_jobs.items()}
+        summaries = {name: f.result() for name, f in s2_jobs.items()}
+
+    curves, finals = {}, {}
+    with open(os.path.join(exp_out, "curves.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["arm", "seed", "step", "sampled_success"])
-        for name, (arm, argv) in plan.items():
+        w.writerow(["arm", "stage1_seed", "seed", "step", "sampled_success"])
+        for name, (arm, s1, seed, _) in plan.items():
             c = curve(os.path.join(out, name))
-            curves[arm].append(c)
-            w.writerows([arm, argv[-1], s, v] for s, v in c)
+            curves.setdefault((arm, s1), []).append(c)
+            w.writerows([arm, s1, seed, step, v] for step, v in c)
+            s = summaries[name]
+            fin = finals.setdefault((arm, s1), {"sampled": [], "greedy": [], "start": [], "greedy_start": [],
+                                                "kl_sub": [], "clip_sub": []})
+            kl, clip = sub_movement(os.path.join(out, name))
+            fin["kl_sub"].append(kl)
+            fin["clip_sub"].append(clip)
+            for key, src in [("sampled", "eval_success_end"), ("greedy", "eval_greedy_success_end"),
+                             ("start", "eval_success_start"), ("greedy_start", "eval_greedy_success_start")]:
+                fin[key].append(s[src])
 
     minutes = (time.time() - t_start) / 60
-    title = f"stage 2 (level 2), {len(a.seeds)} seeds: mean and min-max"
-    has_png = plot(curves, a.arms, os.path.join(out, "curves.png"), title)
-    s1_line = ", ".join(f"{k}: success at level 1 {v['eval_success_start']:.3f} -> {v['eval_success_end']:.3f}"
-                        for k, v in s1.items())
-    greedy = {arm: np.mean([r["eval_greedy_success_end"] for (ar, _), r in zip(plan.values(), pool_results)
-                            if ar == arm]) for arm in a.arms}
+    text = [tables(finals, a.arms, a.stage1_seeds)]
+    first, second = (EXPERIMENTS[a.experiment][0] if set(EXPERIMENTS[a.experiment][0]) <= set(a.arms)
+                     else a.arms[:2] if len(a.arms) > 1 else (None, None))
+    pair = None
+    if first:
+        for m in ("sampled", "greedy"):
+            diffs = {s1: np.subtract(finals[(first, s1)][m], finals[(second, s1)][m]) for s1 in a.stage1_seeds}
+            mean, lo, hi = paired_ci(diffs)
+            pair = pair or (mean, lo, hi)
+            text.append(f"Paired difference {first} - {second}, {m} success at the end: **{mean:+.3f}**, "
+                        f"95% interval [{lo:+.3f}, {hi:+.3f}] (per stage 1: "
+                        + ", ".join(f"seed {s1} {np.mean(d):+.3f}" for s1, d in diffs.items()) + ").")
+    moved = [arm for arm in a.arms if arm in ("co-train", "co-train unsync")]
+    if moved:
+        text.append("S's movement per update, mean over steps and runs: " + "; ".join(
+            f"{arm}: approximate KL {np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)]['kl_sub']]):.1e}"
+            f" per token, clipped {100 * np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)]['clip_sub']]):.2f}%"
+            " of tokens" for arm in moved) + ".")
+    title = f"'{a.experiment}': {len(a.seeds)} seeds per stage 1, mean and min-max"
+    has_png = plot(curves, a.arms, a.stage1_seeds, os.path.join(exp_out, "curves.png"), title)
+    s1_lines = [f"- `{k}`: level-1 sampled success {v['eval_success_start']:.3f} -> {v['eval_success_end']:.3f}, "
+                f"greedy {v['eval_greedy_success_end']:.3f}" for k, v in s1_done.items()]
     md = "\n".join([
-        f"# Comparison: {', '.join(a.arms)}", "",
-        f"{len(a.seeds)} seeds ({', '.join(map(str, a.seeds))}), {a.stage2_steps} stage-2 steps per run, "
-        f"{a.eval_questions} held-out level-2 questions per evaluation, sampled at temperature 1. "
-        f"Wall time {minutes:.1f} min with {a.jobs} runs at a time.", "",
-        table(curves, a.arms, a.threshold), "",
-        "Greedy success at the end, mean over seeds: "
-        + ", ".join(f"{arm} {g:.3f}" for arm, g in greedy.items()) + ".", "",
-        f"Stage 1 (shared by every arm and seed): {s1_line}.", "",
+        f"# Comparison '{a.experiment}': {', '.join(a.arms)}", "",
+        f"{len(a.stage1_seeds)} stage 1s (seeds {', '.join(map(str, a.stage1_seeds))}) x {len(a.seeds)} stage-2 "
+        f"seeds ({', '.join(map(str, a.seeds))}), {a.stage2_steps} stage-2 steps per run, {a.eval_questions} "
+        f"held-out questions per evaluation; 'sampled' at temperature 1. This invocation took {minutes:.1f} min, "
+        f"{a.jobs} runs at a time (runs reused by --resume take none).", "", *[t + "\n" for t in text],
+        "Stage 1s:", *s1_lines, "",
         "![curves](curves.png)" if has_png else "(no plot: matplotlib is not installed)", "",
         "## Commands", "", "Each run is `python mgrpo.py <options>`, `<out>` the folder of this comparison; all "
         "other settings are mgrpo.py's defaults, and every run's full settings are in its `args.json`.", "",
-        *[f"- `{name}`: `{show(argv)} --out <out>/{name}`" for name, argv in jobs.items()],
-        *[f"- `{name}`: `{show(argv)} --out <out>/{name}`" for name, (_, argv) in plan.items()], ""])
-    with open(os.path.join(out, "results.md"), "w") as f:
+        *[f"- `{name}`: `{show(argv)} --out <out>/{name}`" for name, argv in {**stage1, **stage2_plan}.items()], ""])
+    with open(os.path.join(exp_out, "results.md"), "w") as f:
         f.write(md)
-    print("\n" + table(curves, a.arms, a.threshold))
-    print(f"\n{minutes:.1f} min | {out}/results.md" + (f" | {out}/curves.png" if has_png else
-                                                       " | no plot (pip install matplotlib for one)"))
-    return curves
+    print("\n" + "\n\n".join(text))
+    print(f"\n{minutes:.1f} min | {exp_out}/results.md" + (f" | {exp_out}/curves.png" if has_png else
+                                                           " | no plot (pip install matplotlib for one)"))
+    return {"finals": finals, "pair": pair, "curves": curves}
 
 
 if __name__ == "__main__":

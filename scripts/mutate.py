@@ -31,7 +31,7 @@ MUTANTS = [
     ("M's groups formed across queries", "mgrpo.py",
      "adv = group_advantages(r_main.view(-1, K)).view(-1)", "adv = group_advantages(r_main.view(1, -1)).view(-1)"),
     ("a slot gets the correctness of the rollout whose slot it fills, not of the one that made it", "mgrpo.py",
-     'args.w_sub) for s, (k, _) in zip(group, pairs)]', 'args.w_sub) for s, (k, _) in zip(group, [(j // D, 0) for j in range(len(pairs))])]'),
+     "for s, (k, _) in zip(group, pairs)]", "for s, (k, _) in zip(group, [(j // D, 0) for j in range(len(pairs))])]"),
     ("S's groups formed across queries", "mgrpo.py",
      "adv.append(group_advantages(r))", "adv.append(torch.tensor(r))"),
     ("d_k > D keeps the first D instead of D at random", "mgrpo.py",
@@ -94,6 +94,9 @@ def main():
             print(f"{i:3d}. {what} ({file})")
         return 0
     picked = [(i, m) for i, m in enumerate(MUTANTS, 1) if not a.only or i in a.only]
+    if not picked:
+        print(f"no such mutant: {a.only} (there are {len(MUTANTS)}; --list shows them)")
+        return 1
     stale = [(i, m[0]) for i, m in picked if open(os.path.join(ROOT, m[1])).read().count(m[2]) != 1]
     if stale:
         for i, what in stale:

@@ -1,12 +1,15 @@
-"""How well does the sub-agent read after its cold start? Expert score per relation.
+"""What does each agent know after its cold start (or at a checkpoint)? Per relation and level.
 
-Builds the sub-agent exactly as `python mgrpo.py <options>` does (same seeds), runs its
-cold start alone, then gives it 200 held-out sub-tasks per relation and level and
-prints the share it answers right (r_expert), greedy and sampled at temperature 1.
-The tutorial's figures on the comparison's cold-start settings come from it:
+Builds the agents exactly as `python mgrpo.py <options>` does (same seeds) and runs their
+cold starts. The sub-agent gets 200 held-out sub-tasks per relation and level: the share it
+answers right (r_expert). The main agent gets 200 held-out questions per level with a
+perfect sub-agent (one that returns the true fact for any well-formed sub-task): its success
+shows whether it plans the hops and answers, apart from S. Greedy and sampled at temperature 1.
+The README's and tutorial's stage-1 figures come from it:
 
-    python scripts/sub_probe.py --sft-levels 1,2,2 --sft-lr 1e-3
-    python scripts/sub_probe.py --sub-model runs/compare/stage1-system/sub --sft-steps 0
+    python scripts/sub_probe.py --sft-levels 1,2,2,3
+    python scripts/sub_probe.py --main-model runs/compare/stage1-seed2-system/main \
+        --sub-model runs/compare/stage1-seed2-system/sub --sft-steps 0
     python scripts/sub_probe.py --help     # any mgrpo.py option
 """
 import os
@@ -19,40 +22,59 @@ import toy_tools  # noqa: E402
 
 
 def sub_tasks(level, n=200):
-    """n held-out questions of this level and, per relation of its chain, the sub-task
-    that a perfect main agent would write."""
+    """n held-out questions of this level and, per hop of its chain, the sub-task that a
+    perfect main agent would write: {hop name: [sub-task per question]}."""
     qs = [toy_tools.make_question(mgrpo.EVAL_SEED + i, level) for i in range(n)]
-    tasks = {rel: [] for rel in toy_tools.chain(level)}
+    rels = toy_tools.chain(level)
+    names = [rel if rels.count(rel) == 1 else f"{rel}{rels[:i + 1].count(rel)}" for i, rel in enumerate(rels)]
+    tasks = {name: [] for name in names}
     for q in qs:
         kb, x = toy_tools.knowledge_base(q.seed, level), q.text.split()[-2]
-        for rel in toy_tools.chain(level):
-            tasks[rel].append(f"{rel} of {x}")
+        for name, rel in zip(names, rels):
+            tasks[name].append(f"{rel} of {x}")
             x = kb[(rel, x)]
     return qs, tasks
+
+
+def perfect_sub_agent(tasks, questions, seed, greedy):
+    """A sub-agent that returns the true fact of each well-formed sub-task, and 'none' else."""
+    out = []
+    for task, q in zip(tasks, questions):
+        parsed = toy_tools.parse_subtask(task)
+        value = toy_tools.knowledge_base(q.seed, q.level).get(parsed) if parsed else None
+        out.append(mgrpo.Traj([], [], [], task=task, result=value or "none", ok=True))
+    return out
 
 
 def main(argv=None):
     args = mgrpo.parse_args(argv)
     t0 = time.time()
-    sub = mgrpo.load_agent(args.sub_model, args, seed=args.seed + 1)
-    if args.sft_steps:
-        mgrpo.cold_start(sub, "sub", args, toy_tools.stable_seed(args.seed, "sft-sub"))
+    agents = {"main": mgrpo.load_agent(args.main_model, args, seed=args.seed),
+              "sub": mgrpo.load_agent(args.sub_model, args, seed=args.seed + 1)}
+    steps = args.sft_steps if args.sft_steps >= 0 else 600
+    mgrpo.cold_start_all(agents, {"main": "main", "sub": "sub"}, {"main": steps, "sub": steps}, args)
+    sub = agents["sub"]
     search = toy_tools.ToySearch()
-    what = [f"from {args.sub_model}"] if args.sub_model else []
-    if args.sft_steps:
-        what.append(f"after {args.sft_steps} cold-start steps (levels {args.sft_levels or args.level}, "
+    what = [f"from {args.main_model or 'a new model'} and {args.sub_model or 'a new model'}"]
+    if steps:
+        what.append(f"after {steps} cold-start steps (levels {args.sft_levels or args.level}, "
                     f"lr {args.sft_lr}, seed {args.seed})")
-    print(f"sub-agent {' '.join(what)}, {time.time() - t0:.0f}s; expert score greedy / sampled:")
-    for level in (1, 2):
+    print(f"agents {' '.join(what)}, {time.time() - t0:.0f}s\nsub-agent, expert score greedy / sampled:")
+    for level in sorted(toy_tools.N_SNIPPETS):
         qs, tasks = sub_tasks(level)
         scores = []
         for rel, ts in tasks.items():
             acc = []
             for greedy in (True, False):
-                trajs = mgrpo.run_sub_agents(sub, ts, qs, args, search, seed=0, greedy=greedy)
+                trajs = mgrpo.run_sub_agents(sub, args, search, ts, qs, seed=0, greedy=greedy)
                 acc.append(sum(toy_tools.expert_score(q, t.task, t.result) for q, t in zip(qs, trajs)) / len(qs))
             scores.append(f"{rel} {acc[0]:.2f} / {acc[1]:.2f}")
         print(f"  level {level}: " + ", ".join(scores), flush=True)
+    print("main agent with a perfect sub-agent, success greedy / sampled:")
+    for level in sorted(toy_tools.N_SNIPPETS):
+        args.level, args.eval_questions = level, 200
+        acc = [mgrpo.evaluate(agents["main"], args, perfect_sub_agent, None, greedy) for greedy in (True, False)]
+        print(f"  level {level}: {acc[0]:.2f} / {acc[1]:.2f}", flush=True)
 
 
 if __name__ == "__main__":

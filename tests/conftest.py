@@ -1,8 +1,10 @@
 import os
+import threading
 
 import pytest
 
 import mgrpo
+import toy_tools
 
 
 def pytest_configure(config):
@@ -22,3 +24,12 @@ def cold_start_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("cold"))
     mgrpo.main(["--steps", "0", "--eval-questions", "32", "--out", out])
     return {name: os.path.join(out, name) for name in ("main", "sub")}
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    """The toy search tool as an HTTP server on a free local port."""
+    srv = toy_tools.make_server(0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()

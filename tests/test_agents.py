@@ -1,5 +1,6 @@
 """Tokens, masks and log-probs of real (tiny) Hugging Face models; rollouts on bad output."""
 import copy
+import functools
 import random
 
 import pytest
@@ -83,7 +84,7 @@ def test_untrained_models_run_a_whole_step(args, agents):
     a = copy.deepcopy(args)
     a.questions_per_step, a.group_size = 2, 4
     search = toy_tools.ToySearch()
-    rec = mgrpo.train_step(main, mgrpo.system(main, mgrpo.local_delegate(sub, a, search), a, search), 1, a, sub)
+    rec = mgrpo.train_step(main, sub, 1, a, functools.partial(mgrpo.run_sub_agents, sub, a, search), search)
     assert rec["main_reward"] == 0.0 and rec["zero_var_main"] == 1.0
     assert rec["success"] == 0.0
 

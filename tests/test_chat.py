@@ -218,7 +218,7 @@ def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypa
             ids = agent_.tok(next(turns), add_special_tokens=False).input_ids + [agent_.end[0]]
             return [(ids, [-0.5] * len(ids), True) for _ in contexts]
         monkeypatch.setattr(mgrpo, "generate", scripted)
-        (t,) = mgrpo.run_sub_agents(agent, ["city of ada"], [q], args, search, seed=0)
+        (t,) = mgrpo.run_sub_agents(agent, args, search, ["city of ada"], [q], seed=0)
     finally:
         srv.shutdown()
     assert t.ok and t.result == city

@@ -1,16 +1,16 @@
-"""The comparison of issue "The paper's comparisons": a very short version, end to end."""
+"""The paper's comparisons (scripts/compare.py): the paired-difference statistics by hand, and a
+very short version end to end."""
 import csv
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import compare  # noqa: E402
-
-pytestmark = pytest.mark.slow  # every test here trains models or runs processes
 
 
 def weights(path):
@@ -21,34 +21,67 @@ def same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_paired_ci_by_hand():
+    # one stage 1, all differences equal: the interval is that one point
+    assert compare.paired_ci({1: [0.2, 0.2, 0.2]}) == pytest.approx((0.2, 0.2, 0.2))
+    # the mean is over every pair; the interval holds it and lies within the extremes
+    mean, lo, hi = compare.paired_ci({1: [0.1, 0.3], 2: [0.0, 0.2], 3: [0.5, 0.7]})
+    assert mean == pytest.approx(0.3) and 0.0 <= lo < mean < hi <= 0.7
+    # the two-level bootstrap: differences that differ only between stage 1s still give a wide
+    # interval (resampling the pairs as independent would give a narrower one)
+    two_level = compare.paired_ci({1: [0.0] * 3, 2: [0.3] * 3, 3: [0.6] * 3})
+    flat = np.random.default_rng(0).choice([0.0] * 3 + [0.3] * 3 + [0.6] * 3, size=(10000, 9)).mean(1)
+    assert two_level[2] - two_level[1] > np.percentile(flat, 97.5) - np.percentile(flat, 2.5)
+
+
+def test_bad_options_fail_clearly(capsys):
+    for argv, msg in [(["--resume"], "--resume needs the --out"),
+                      (["--seeds", "1", "1"], "must not repeat"),
+                      (["--stage2-steps", "0"], "--stage2-steps"),
+                      (["--experiment", "other"], "invalid choice")]:
+        with pytest.raises(SystemExit):
+            compare.parse(argv)
+        assert msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_quick_comparison_end_to_end(tmp_path, capsys):
     out = tmp_path / "cmp"
-    first = compare.main(["--quick", "--out", str(out)])
-    # --resume reuses every finished run and reports the same curves
+    argv = ["--quick", "--out", str(out), "--arms", "co-train", "main-only", "co-train unsync"]
+    first = compare.main(argv)
+    # --resume reuses every finished run and reports the same figures
     capsys.readouterr()
-    assert compare.main(["--quick", "--out", str(out), "--resume"]) == first
+    again = compare.main(argv + ["--resume"])
+    assert again["finals"] == first["finals"] and again["pair"] == first["pair"]
     printed = capsys.readouterr().out
-    assert printed.count("reused ") == 2 + len(compare.ARMS) * 2 and "start " not in printed
-    md = (out / "results.md").read_text()
-    for arm in compare.ARMS:
+    assert printed.count("  reused ") == 2 + 3 * 2 * 2 and "  start " not in printed  # nothing ran again
+    md = (out / "paper" / "results.md").read_text()
+    for arm in ("co-train", "main-only", "co-train unsync"):
         assert f"| {arm} |" in md
+    assert "Paired difference co-train - main-only" in md and "95% interval" in md
     assert "--mode main-only" in md and "--unsync" in md  # every command is written down
-    with open(out / "curves.csv") as f:
+    with open(out / "paper" / "curves.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == len(compare.ARMS) * 2 * 3  # arms x seeds x evaluations (steps 0, 2, 4)
-    assert {r["step"] for r in rows} == {"0", "2", "4"}
-    # The three arms of the two-agent system start from the one stage-1 checkpoint:
-    # before any stage-2 step they evaluate alike, seed by seed.
-    start = {(r["arm"], r["seed"]): r["sampled_success"] for r in rows if r["step"] == "0"}
-    for seed in ("1", "2"):
-        assert start[("co-train", seed)] == start[("co-train unsync", seed)] == start[("main-only", seed)]
+    assert len(rows) == 3 * 2 * 2 * 3  # arms x stage 1s x seeds x evaluations (steps 0, 2, 4)
+    assert {r["step"] for r in rows} == {"0", "2", "4"} and {r["stage1_seed"] for r in rows} == {"1", "2"}
+    # The arms start from their stage 1: before any stage-2 step they evaluate alike, run by run,
+    # and the two stage 1s differ
+    start = {(r["arm"], r["stage1_seed"], r["seed"]): r["sampled_success"] for r in rows if r["step"] == "0"}
+    for s1 in ("1", "2"):
+        for seed in ("1", "2"):
+            assert start[("co-train", s1, seed)] == start[("co-train unsync", s1, seed)] == \
+                start[("main-only", s1, seed)]
+    assert not same(weights(out / "stage1-levels122-seed1-system" / "sub"), weights(out / "stage1-levels122-seed2-system" / "sub"))
     # main-only leaves S as stage 1 made it; co-training moves it
-    s1 = weights(out / "stage1-system" / "sub")
-    assert same(s1, weights(out / "main-only-seed1" / "sub"))
-    assert not same(s1, weights(out / "co-train-seed1" / "sub"))
-    assert not same(weights(out / "stage1-system" / "main"), weights(out / "main-only-seed1" / "main"))
+    s1 = weights(out / "stage1-levels122-seed2-system" / "sub")
+    assert same(s1, weights(out / "paper" / "main-only-stage1seed2-seed1" / "sub"))
+    assert not same(s1, weights(out / "paper" / "co-train-stage1seed2-seed1" / "sub"))
+    # the paired difference is the mean of the per-run differences
+    fin = first["finals"]
+    diffs = [a - b for s in (1, 2) for a, b in zip(fin[("co-train", s)]["sampled"], fin[("main-only", s)]["sampled"])]
+    assert first["pair"][0] == pytest.approx(np.mean(diffs))
     try:
         import matplotlib  # noqa: F401  (optional: the plot is drawn only when it is installed)
-        assert (out / "curves.png").stat().st_size > 1000 and "![curves](curves.png)" in md
+        assert (out / "paper" / "curves.png").stat().st_size > 1000 and "![curves](curves.png)" in md
     except ImportError:
         assert "no plot" in md

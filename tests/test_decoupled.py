@@ -1,4 +1,4 @@
-"""Decoupled training (spec 7): the file store, and the two roles as two processes."""
+"""Decoupled training (the paper's Fig. 3): the file store, and the two roles as two processes."""
 import json
 import multiprocessing as mp
 import os

@@ -2,6 +2,7 @@
 succeeds, and which rollout is right are fixed by the test, so rewards, alignment, advantages,
 batch order, masks and the modes are checked against numbers worked out by hand."""
 import copy
+import functools
 import random
 
 import pytest
@@ -46,7 +47,9 @@ def agents():
 def scripted_rollout(agents, plan, questions, monkeypatch):
     args, main, sub = agents
     monkeypatch.setattr(mgrpo, "generate", forced(plan))
-    return mgrpo.rollout(main, mgrpo.local_delegate(sub, args, toy_tools.ToySearch()), questions, K, args, seed=0)
+    search = toy_tools.ToySearch()
+    return mgrpo.rollout(main, questions, K, args, 0, functools.partial(mgrpo.run_sub_agents, sub, args, search),
+                         search)
 
 
 def test_the_worked_example_through_the_rollout_and_both_sides(agents, monkeypatch):
@@ -118,8 +121,8 @@ def test_groups_are_each_querys_K_rollouts_and_advantages_follow_the_batch(agent
     rng = random.Random(toy_tools.stable_seed(args.seed, "questions", 1))
     order = [rng.randrange(2 ** 31) % 2 for _ in range(2)]
     assert order[0] != order[1], "pick a step whose two questions differ"
-    play = mgrpo.system(main, mgrpo.local_delegate(sub, args, toy_tools.ToySearch()), args, toy_tools.ToySearch())
-    mgrpo.train_step(main, play, 1, args, sub)
+    search = toy_tools.ToySearch()
+    mgrpo.train_step(main, sub, 1, args, functools.partial(mgrpo.run_sub_agents, sub, args, search), search)
     (m_trajs, m_adv), (s_trajs, s_adv) = seen
     assert [(t.q, t.k) for t in m_trajs] == [(q, k) for q in range(2) for k in range(K)]
     r = {Q[0].text: [1.0, 1.0, 1.0, 1.0], Q[1].text: [1.0, 0.1, 1.0, 1.0]}
@@ -184,9 +187,10 @@ def _run_steps(agents, monkeypatch, steps, **opts):
     batches = []
     real_side = mgrpo.sub_side
     monkeypatch.setattr(mgrpo, "sub_side", lambda *a: batches.append(real_side(*a)) or batches[-1])
-    play = mgrpo.system(main, mgrpo.local_delegate(sub, args, toy_tools.ToySearch()), args, toy_tools.ToySearch())
+    search = toy_tools.ToySearch()
+    delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
     for step in range(1, steps + 1):
-        mgrpo.train_step(main, play, step, args, sub)
+        mgrpo.train_step(main, sub, step, args, delegate, search)
     return args, sub, [u for u in updates if u[0]], batches
 
 

@@ -1,6 +1,7 @@
 """Hostile model output through mgrpo's own loops: every turn a fuzzed string, as a model might
 write it, goes through the parser, the tools, the context's token ids and a training step."""
 import copy
+import functools
 import itertools
 
 import pytest
@@ -43,17 +44,17 @@ def test_fuzzed_turns_through_the_tool_loop_and_a_training_step(chat, monkeypatc
     qs = [toy_tools.make_question(s, 1 + s % 2) for s in range(600)]
     ok = 0
     while len(sampled) < len(STRINGS):  # the sub-agent's loop: search, visit, return
-        trajs = mgrpo.run_sub_agents(sub, [f"city of {toy_tools.PERSONS[i % 30]}" for i in range(len(qs))], qs, args,
-                                     search, seed=0)
+        trajs = mgrpo.run_sub_agents(sub, args, search, [f"city of {toy_tools.PERSONS[i % 30]}" for i in range(len(qs))],
+                                     qs, seed=0)
         for t in trajs:
             assert len(t.ids) == len(t.mask) == len(t.logp) and t.mask[-1] in (0, 1)
             ok += t.ok
             assert not t.ok or (t.result.strip() and not TAG_IN_ARG.search(t.result))
     # the whole system, fuzzed on both sides, through rewards, alignment and both updates
-    play = mgrpo.system(main, mgrpo.local_delegate(sub, args, search), args, search)
+    delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
     before = len(sampled)
     for step in range(3):
-        rec = mgrpo.train_step(main, play, step, args, copy.deepcopy(sub) if step else sub)
+        rec = mgrpo.train_step(main, copy.deepcopy(sub) if step else sub, step, args, delegate, search)
         assert rec["main_reward"] >= 0 and rec["sub_calls"] >= 0
     assert len(sampled) > before
     print(f"{len(sampled)} fuzzed turns, {ok} valid final answers")
@@ -69,7 +70,7 @@ def test_a_tool_that_raises_anything_is_an_observation(monkeypatch, capsys):
     args = mgrpo.parse_args(["--sft-steps", "0"])
     sub = mgrpo.load_agent("", args, seed=0)
     monkeypatch.setattr(mgrpo, "generate", scripted(["<search> ada </search>", "<return> avon </return>"], []))
-    (t,) = mgrpo.run_sub_agents(sub, ["city of ada"], [toy_tools.make_question(1, 1)], args, Broken(), seed=0)
+    (t,) = mgrpo.run_sub_agents(sub, args, Broken(), ["city of ada"], [toy_tools.make_question(1, 1)], seed=0)
     inserted = sub.tok.decode([i for i, m in zip(t.ids, t.mask) if not m])
     assert t.ok and t.result == "avon" and "<tool> <unk> <unk> <assistant>" in inserted  # "error: KeyError"
     assert "warning: the search tool raised KeyError" in capsys.readouterr().out

@@ -39,14 +39,14 @@ def fake_peer(store_dir, role, stop, beat=lambda n: {"count": n}, every=0.2):
 @pytest.mark.slow
 def test_heartbeat_survives_write_errors_and_stops_the_role_when_they_persist(tmp_path, monkeypatch, capsys):
     st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=4.0)  # it gives up after 2 s of failures
-    real, failures = st._write, {"n": 0, "until": 2}
+    real, failures = st.write, {"n": 0, "until": 2}
 
     def flaky(key, obj):
         if key.startswith("heartbeat") and failures["n"] < failures["until"]:
             failures["n"] += 1
             raise OSError(28, "No space left on device")
         return real(key, obj)
-    monkeypatch.setattr(st, "_write", flaky)
+    monkeypatch.setattr(st, "write", flaky)
     try:
         deadline = time.time() + 10
         while (st.read("heartbeat-main") or {}).get("count", 0) < 4:  # two failures, then it writes again
@@ -132,11 +132,13 @@ def test_planted_records_give_errors_that_name_the_record_and_the_store(tmp_path
             assert key in str(e.value) and st.dir in str(e.value)
         # a record that is JSON but not what the peer writes
         for rec in [{"tasks": "city of ada"}, {"tasks": [1], "questions": [[1, 1]], "seed": 0, "greedy": False},
-                    {"tasks": ["x"], "questions": [[1, 9]], "seed": 0, "greedy": False},
+                    {"tasks": ["x"], "questions": [[1, True]], "seed": 0, "greedy": False},
                     {"tasks": ["x", "y"], "questions": [[1, 1]], "seed": 0, "greedy": False}]:
             with pytest.raises(mgrpo.StoreError, match="p000001-t0-tasks"):
-                mgrpo.store_record(st, "p000001-t0-tasks", rec, mgrpo.TASKS,
-                                   lambda r: len(r["tasks"]) == len(r["questions"]))
+                mgrpo.store_record(st, "p000001-t0-tasks", rec, mgrpo.tasks_ok)
+        with pytest.raises(mgrpo.StoreError, match="p000001-t0-tasks"):  # a level the task has not
+            mgrpo.store_record(st, "p000001-t0-tasks", {"tasks": ["x"], "questions": [[1, 9]], "seed": 0,
+                                                         "greedy": False}, mgrpo.tasks_ok, mgrpo.parse_args([]))
         # writing over a planted symlink replaces the link, never the file it points to
         st.put("p000001-t5-tasks", {"tasks": []})
         assert victim.read_text() == '{"secret": 1}' and st.read("p000001-t5-tasks") == {"tasks": []}

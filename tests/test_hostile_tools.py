@@ -64,14 +64,6 @@ def answer(h, code, body, **headers):
     h.wfile.write(data)
 
 
-@pytest.fixture(scope="module")
-def server_url():
-    srv = tt.make_server(0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-
-
 # ---------------------------------------------------------------------------------------
 # The known failures, one test each
 # ---------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def test_short_run_writes_everything(tmp_path):
     assert len(mgrpo.checkpoints(out)) == 2  # the last two are kept
     assert state["index"] == len(mgrpo.schedule(mgrpo.parse_args(SHORT))) and state["metrics_lines"] == 8
     assert state["opt"]["main"]["state"] and state["opt"]["sub"]["state"]
-    assert set(state["rng"]) == {"python", "numpy", "torch", "cuda"}
+    assert set(state["rng"]) == {"python", "torch", "cuda"}  # numpy draws nothing during a run
     # the trained agents load back through the ordinary Hugging Face path
     args = mgrpo.parse_args([])
     for name in ("main", "sub"):
@@ -63,7 +63,8 @@ def test_bad_arguments_fail_clearly(capsys):
     for argv, msg in [(["--mode", "solo"], "--mode must be"),
                       (["--mode", "single-agent", "--role", "main", "--store", "s"], "runs in one process"),
                       (["--mode", "main-only", "--unsync"], "--unsync changes how S trains"),
-                      (["--sft-levels", "1,3"], "--sft-levels must list")]:
+                      (["--sft-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
+                      (["--sft-levels", "1,x"], "--sft-levels must list levels")]:
         with pytest.raises(SystemExit):
             mgrpo.parse_args(argv)
         assert msg in capsys.readouterr().err
@@ -75,7 +76,7 @@ def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_di
     args = mgrpo.parse_args(["--mode", "single-agent", "--level", "2", "--sft-steps", "0"])
     agent = mgrpo.load_agent(cold_start_dir["sub"], args, seed=0)
     qs = [toy_tools.make_question(s, 2) for s in range(4)]
-    trajs, subs = mgrpo.system(agent, None, args, toy_tools.ToySearch())(qs, 2, 0)
+    trajs, subs = mgrpo.rollout(agent, qs, 2, args, 0, search=toy_tools.ToySearch())
     assert subs == [] and [(t.q, t.k) for t in trajs] == [(q, k) for q in range(4) for k in range(2)]
     searched = 0
     for t in trajs:
@@ -96,7 +97,7 @@ def test_failed_search_is_an_observation_not_a_crash(cold_start_dir):
     args = mgrpo.parse_args(["--sft-steps", "0"])
     sub = mgrpo.load_agent(cold_start_dir["sub"], args, seed=0)
     qs = [toy_tools.make_question(s, 1) for s in range(4)]
-    trajs = mgrpo.run_sub_agents(sub, [f"city of {q.text.split()[-2]}" for q in qs], qs, args, Down(), seed=0)
+    trajs = mgrpo.run_sub_agents(sub, args, Down(), [f"city of {q.text.split()[-2]}" for q in qs], qs, seed=0)
     tool_msgs = [sub.tok.decode([i for i, m in zip(t.ids, t.mask) if not m]) for t in trajs]
     # the cold-started S searches, and each search is answered by the error text (words
     # outside the toy vocabulary, so <unk> tokens), with loss mask 0
@@ -217,6 +218,6 @@ def test_help_lists_every_option_with_its_docstring(capsys):
         mgrpo.parse_args(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "option_strings" not in out
+    flat = " ".join(out.split())
     for f in mgrpo.dataclasses.fields(mgrpo.Args):
-        assert "--" + f.name.replace("_", "-") in out
-    assert "31% fewer" in " ".join(out.split())
+        assert "--" + f.name.replace("_", "-") in out and " ".join(f.metadata["help"].split()) in flat, f.name

@@ -47,30 +47,29 @@ def test_bad_options_fail_clearly(capsys):
 @pytest.mark.slow
 def test_quick_comparison_end_to_end(tmp_path, capsys):
     out = tmp_path / "cmp"
-    argv = ["--quick", "--out", str(out), "--arms", "co-train", "main-only", "co-train unsync"]
+    argv = ["--quick", "--out", str(out)]
     first = compare.main(argv)
     # --resume reuses every finished run and reports the same figures
     capsys.readouterr()
     again = compare.main(argv + ["--resume"])
     assert again["finals"] == first["finals"] and again["pair"] == first["pair"]
     printed = capsys.readouterr().out
-    assert printed.count("  reused ") == 2 + 3 * 2 * 2 and "  start " not in printed  # nothing ran again
+    assert printed.count("  reused ") == 2 + 2 * 2 * 2 and "  start " not in printed  # nothing ran again
     md = (out / "paper" / "results.md").read_text()
-    for arm in ("co-train", "main-only", "co-train unsync"):
+    for arm in ("co-train", "main-only"):
         assert f"| {arm} |" in md
     assert "Paired difference co-train - main-only" in md and "95% interval" in md
-    assert "--mode main-only" in md and "--unsync" in md  # every command is written down
+    assert "--mode main-only" in md and "--sft-levels 1,2,2" in md  # every command is written down
     with open(out / "paper" / "curves.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 3 * 2 * 2 * 3  # arms x stage 1s x seeds x evaluations (steps 0, 2, 4)
+    assert len(rows) == 2 * 2 * 2 * 3  # arms x stage 1s x seeds x evaluations (steps 0, 2, 4)
     assert {r["step"] for r in rows} == {"0", "2", "4"} and {r["stage1_seed"] for r in rows} == {"1", "2"}
     # The arms start from their stage 1: before any stage-2 step they evaluate alike, run by run,
     # and the two stage 1s differ
     start = {(r["arm"], r["stage1_seed"], r["seed"]): r["sampled_success"] for r in rows if r["step"] == "0"}
     for s1 in ("1", "2"):
         for seed in ("1", "2"):
-            assert start[("co-train", s1, seed)] == start[("co-train unsync", s1, seed)] == \
-                start[("main-only", s1, seed)]
+            assert start[("co-train", s1, seed)] == start[("main-only", s1, seed)]
     assert not same(weights(out / "stage1-levels122-seed1-system" / "sub"), weights(out / "stage1-levels122-seed2-system" / "sub"))
     # main-only leaves S as stage 1 made it; co-training moves it
     s1 = weights(out / "stage1-levels122-seed2-system" / "sub")

@@ -169,7 +169,13 @@ def test_sub_probe_script_runs():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
-    assert lines[-2].startswith("  level 1: city ") and lines[-1].startswith("  level 2: friend ")
+    i = lines.index("sub-agent, expert score greedy / sampled:")
+    assert [line.split(":")[0] for line in lines[i + 1:]] == ["  level 1", "  level 2", "  level 3",
+                                                              "main agent with a perfect sub-agent, success greedy / sampled",
+                                                              "  level 1", "  level 2", "  level 3"]
+    assert lines[i + 2].startswith("  level 2: friend ") and lines[i + 3].startswith("  level 3: friend1 0")
+    for line in lines[-3:]:  # M with a perfect S: two shares in [0, 1]
+        assert all(0 <= float(x) <= 1 for x in line.split(":")[1].split("/"))
 
 
 def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, monkeypatch):

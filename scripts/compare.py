@@ -276,23 +276,23 @@ def main(argv=None):
 
     minutes = (time.time() - t_start) / 60
     text = [tables(finals, a.arms, a.stage1_seeds)]
-    first, second = (EXPERIMENTS[a.experiment][0] if set(EXPERIMENTS[a.experiment][0]) <= set(a.arms)
-                     else a.arms[:2] if len(a.arms) > 1 else (None, None))
-    pair = None
-    if first:
-        for m in ("sampled", "greedy"):
-            diffs = {s1: np.subtract(finals[(first, s1)][m], finals[(second, s1)][m]) for s1 in a.stage1_seeds}
-            mean, lo, hi = paired_ci(diffs)
-            pair = pair or (mean, lo, hi)
-            text.append(f"Paired difference {first} - {second}, {m} success at the end: **{mean:+.3f}**, "
-                        f"95% interval [{lo:+.3f}, {hi:+.3f}] (per stage 1: "
-                        + ", ".join(f"seed {s1} {np.mean(d):+.3f}" for s1, d in diffs.items()) + ").")
-    moved = [arm for arm in a.arms if arm in ("co-train", "co-train unsync")]
+    # the experiment's two arms when both ran, else the first two asked for
+    paired = EXPERIMENTS[a.experiment][0] if set(EXPERIMENTS[a.experiment][0]) <= set(a.arms) else a.arms[:2]
+    pairs = {}
+    for m in ("sampled", "greedy") if len(paired) == 2 else ():
+        diffs = {s1: np.subtract(finals[(paired[0], s1)][m], finals[(paired[1], s1)][m]) for s1 in a.stage1_seeds}
+        mean, lo, hi = pairs[m] = paired_ci(diffs)
+        text.append(f"Paired difference {paired[0]} - {paired[1]}, {m} success at the end: **{mean:+.3f}**, "
+                    f"95% interval [{lo:+.3f}, {hi:+.3f}] (per stage 1: "
+                    + ", ".join(f"seed {s1} {np.mean(d):+.3f}" for s1, d in diffs.items()) + ").")
+
+    def run_mean(arm, key):  # over every stage 1 and seed
+        return np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)][key]])
+    moved = [arm for arm in a.arms if arm in ("co-train", "co-train unsync")]  # the arms in which S trains
     if moved:
         text.append("S's movement per update, mean over steps and runs: " + "; ".join(
-            f"{arm}: approximate KL {np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)]['kl_sub']]):.1e}"
-            f" per token, clipped {100 * np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)]['clip_sub']]):.2f}%"
-            " of tokens" for arm in moved) + ".")
+            f"{arm}: approximate KL {run_mean(arm, 'kl_sub'):.1e} per token, clipped "
+            f"{100 * run_mean(arm, 'clip_sub'):.2f}% of tokens" for arm in moved) + ".")
     title = f"'{a.experiment}': {len(a.seeds)} seeds per stage 1, mean and min-max"
     has_png = plot(curves, a.arms, a.stage1_seeds, os.path.join(exp_out, "curves.png"), title)
     s1_lines = [f"- `{k}`: level-1 sampled success {v['eval_success_start']:.3f} -> {v['eval_success_end']:.3f}, "
@@ -313,7 +313,7 @@ def main(argv=None):
     print("\n" + "\n\n".join(text))
     print(f"\n{minutes:.1f} min | {exp_out}/results.md" + (f" | {exp_out}/curves.png" if has_png else
                                                            " | no plot (pip install matplotlib for one)"))
-    return {"finals": finals, "pair": pair, "curves": curves}
+    return {"finals": finals, "pair": pairs.get("sampled"), "curves": curves}
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ stand-in for the paper's stage 1). `--main-model` / `--sub-model` take a Hugging
 """
 import argparse
 import dataclasses
-import fcntl
 import functools
 import importlib
 import importlib.util
@@ -42,11 +41,8 @@ import multiprocessing
 import os
 import random
 import re
-import secrets
-import shutil
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +53,9 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import toy_tools
+from infra.runtime import GraphDecoder, exit_with_parent, load_checkpoint, memory_estimate, plot_curves, progress_line, \
+    save_checkpoint
+from infra.store import FileStore, StoreError
 
 
 def arg(default, help):
@@ -75,6 +74,9 @@ class Args:
     task: str = arg("toy_tools", "the task: a module or a .py file with what toy_tools.py describes")
     level: int = arg(1, "task level; toy task: 1 = 2 hops, 3 clean snippets per search; 2 = 3 hops, 8 noisy ones; "
                      "3 = 4 hops, 12 noisy ones")
+    train_levels: str = arg("", "levels of the training questions, taken in turn, e.g. '1,2'; empty: --level (a "
+                            "mix keeps what a small model knows of a level it would otherwise not see); evaluations "
+                            "use --level")
     main_model: str = arg("", "main agent: a Hugging Face name or path (a chat model); empty: a tiny model built here")
     sub_model: str = arg("", "sub-agent: a Hugging Face name or path; empty: a tiny model built here")
     model_size: str = arg("0.2M", "size of the models built here: 0.1M, 0.2M, 1M, 4M or 30M parameters")
@@ -100,6 +102,9 @@ class Args:
     sft_levels: str = arg("", "task levels of the cold-start demos, taken in turn, e.g. '1,2'; empty: --level")
     sft_batch: int = arg(64, "demos per cold-start step, per agent")
     sft_lr: float = arg(1.5e-3, "cold-start learning rate")
+    sft_until: float = arg(0.0, "after the cold start, greedy success of the system on 256 held-out questions per "
+                           "--sft-levels level; below this on any level, --sft-steps more (at most 3 times); "
+                           "0: no check")
     demo_noise: float = arg(0.1, "probability that a demo replaces an entity by a random one")
     eval_questions: int = arg(-1, "held-out questions per evaluation; -1: 256, or 32 for a given or chat model")
     eval_every: int = arg(50, "evaluate every N steps as well as before and after RL; 0: before and after only")
@@ -357,7 +362,7 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False):
             T = -(-(L + max_new_tokens) // 256) * 256
             if (R, T) not in agent.graphs:
                 agent.graphs.clear()  # one shape at a time: a static cache can be large
-                agent.graphs[R, T] = GraphDecoder(agent, R, T)
+                agent.graphs[R, T] = GraphDecoder(agent, R, T, forward_last)
             decoder = agent.graphs[R, T]
             logits = decoder.prefill(ids, attn, pos)
         else:
@@ -730,8 +735,9 @@ def train_step(main, sub, step, args, delegate, search=None, store=None, phase="
     writes `exchange` to the store before its own update, so that both updates run at once."""
     t0 = time.perf_counter()
     rng = random.Random(toy_tools.stable_seed(args.seed, "questions", step))
-    questions = [load_task(args.task).make_question(rng.randrange(2 ** 31), args.level)
-                 for _ in range(args.questions_per_step)]
+    levels = [int(x) for x in (args.train_levels or str(args.level)).split(",")]
+    questions = [load_task(args.task).make_question(rng.randrange(2 ** 31), levels[i % len(levels)])
+                 for i in range(args.questions_per_step)]
     K = args.group_size
     main_trajs, sub_trajs = rollout(main, questions, K, args, toy_tools.stable_seed(args.seed, "rollout", step),
                                     delegate, search)
@@ -772,10 +778,10 @@ def schedule(args):
     return phases + ([("eval", args.steps, False), ("eval", args.steps, True)] if args.steps else [])
 
 
-def evaluate(main, args, delegate, search, greedy=False):
+def evaluate(main, args, delegate, search, greedy=False, first=EVAL_SEED):
     """Success on the held-out questions, sampled (temperature 1, as in training) or greedy."""
     task = load_task(args.task)
-    questions = [task.make_question(EVAL_SEED + i, args.level) for i in range(args.eval_questions)]
+    questions = [task.make_question(first + i, args.level) for i in range(args.eval_questions)]
     correct = []
     for s in range(0, len(questions), 256):
         batch = questions[s:s + 256]
@@ -832,156 +838,8 @@ def train(args, agents, out, store, search, start, n_lines):
 
 # =========================================================================================
 # 9. Decoupled training (the paper's Fig. 3): two processes, one directory of small records
+#    (infra/store.py: FileStore, the file layer under it: atomic writes, locks, heartbeats)
 # =========================================================================================
-class StoreError(RuntimeError):
-    """The store or the peer failed; the message names the store, the record and what to do."""
-
-
-class FileStore:
-    """The shared store: one small JSON file per record under <root>/<run_id>/.
-
-    Writes are atomic (a temporary file created exclusively, never through a symlink, fsynced, renamed);
-    keys are checked, so no record lands outside the directory; a record that is no JSON object, or a
-    symlink, is an error that names it; a lock keeps a second process of a role off the store. Each role
-    writes a heartbeat with a counter every second, which the reader times on its own clock (the
-    machines' clocks need not agree): a peer whose counter stood still for `timeout` s is gone; with
-    `progress_timeout`, a wait for one record of a live peer ends after that long. Both raise StoreError.
-    """
-    KEY, MAX_BYTES = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"), 64 * 2 ** 20
-
-    def __init__(self, root, run_id, role, timeout=60.0, progress_timeout=0.0):
-        self.dir, self.role = os.path.join(root, self.check(run_id)), role
-        self.peer = {"main": "sub", "sub": "main"}.get(role)
-        os.makedirs(self.dir, exist_ok=True)
-        self.timeout, self.progress_timeout = timeout, progress_timeout
-        self.io_time = 0.0           # seconds spent reading and writing records, not waiting
-        self.phase = self.saved = 0  # published in the heartbeat: the schedule position worked on, saved
-        self.beat_error = None       # set by the heartbeat thread when its writes keep failing
-        self.seen = (None, time.monotonic())  # the peer's heartbeat counter, and when it last moved
-        self.stop = threading.Event()
-        if self.peer:
-            self.lock = os.open(os.path.join(self.dir, f"lock-{role}"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            try:
-                fcntl.lockf(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                raise StoreError(f"another {role} role is running on the store {self.dir}") from None
-            threading.Thread(target=self.beat, daemon=True).start()
-
-    def check(self, key):
-        if not isinstance(key, str) or not self.KEY.fullmatch(key) or ".." in key:
-            raise ValueError(f"bad store key {key!r}")
-        return key
-
-    def path(self, key):
-        return os.path.join(self.dir, self.check(key) + ".json")
-
-    def put(self, key, obj):
-        if self.beat_error:
-            raise StoreError(self.beat_error)
-        t0 = time.perf_counter()
-        self.write(key, obj)
-        self.io_time += time.perf_counter() - t0
-
-    def write(self, key, obj):
-        path = self.path(key)
-        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(6)}.tmp"  # never ends in .json: never read
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-    def read(self, key):
-        """The record, a JSON object, or None if it is not there (yet)."""
-        t0 = time.perf_counter()
-        try:
-            with os.fdopen(os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-                data = f.read(self.MAX_BYTES + 1)
-            rec = json.loads(data) if len(data) <= self.MAX_BYTES else None
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, RecursionError) as e:  # a directory, a symlink, not JSON, nested too deep
-            raise StoreError(f"store {self.dir}: record {key} cannot be read ({type(e).__name__}: {e})") from None
-        finally:
-            self.io_time += time.perf_counter() - t0
-        if not isinstance(rec, dict):
-            raise StoreError(f"store {self.dir}: record {key} is not a JSON object of at most {self.MAX_BYTES} bytes")
-        return rec
-
-    def wait(self, *keys):
-        """(key, record) of the first of `keys` present; polls, watching the peer's heartbeat."""
-        delay, t_start = 0.0005, time.monotonic()
-        last_check = t_start
-        while True:
-            for key in keys:
-                if (rec := self.read(key)) is not None:
-                    return key, rec
-            if time.monotonic() - last_check > 1.0:
-                heartbeat, last_check = self.check_peer(), time.monotonic()
-                if self.progress_timeout and last_check - t_start > self.progress_timeout:
-                    raise StoreError(f"waited {last_check - t_start:.0f}s for {' or '.join(keys)} in {self.dir}; the "
-                                     f"{self.peer} role is alive but stays in phase {heartbeat.get('phase')} "
-                                     f"(--progress-timeout)")
-            time.sleep(delay)
-            delay = min(2 * delay, 0.02)
-
-    def check_peer(self):
-        """The peer's heartbeat ({} if unreadable); StoreError if its counter has not moved for `timeout`
-        seconds of this process's clock, or if this role's own heartbeat failed."""
-        if self.beat_error:
-            raise StoreError(self.beat_error)
-        try:
-            heartbeat = self.read(f"heartbeat-{self.peer}") or {}
-        except StoreError:
-            heartbeat = {}  # malformed: it counts as a heartbeat that did not move
-        count, now = heartbeat.get("count") if type(heartbeat.get("count")) is int else None, time.monotonic()
-        if count != self.seen[0]:
-            self.seen = (count, now)
-        elif now - self.seen[1] > self.timeout:
-            raise StoreError(f"the {self.peer} role {'has sent no heartbeat' if count is None else 'has been silent'} "
-                             f"for {now - self.seen[1]:.0f}s (store {self.dir}); start it (python mgrpo.py --role "
-                             f"{self.peer} --store ...), or restart it with --resume")
-        return heartbeat
-
-    def wait_peer(self):
-        """Block until the peer's heartbeat counter moves: it runs now, it is no earlier run's record."""
-        first = self.check_peer().get("count", -1)
-        while self.check_peer().get("count", -1) == first:
-            time.sleep(0.1)
-
-    def beat(self):
-        count, failing = 0, None
-        while True:
-            count += 1
-            try:
-                self.write(f"heartbeat-{self.role}", {"count": count, "pid": os.getpid(), "phase": self.phase,
-                                                      "saved": self.saved})
-                failing = None
-            except OSError as e:
-                if failing is None:
-                    failing = time.monotonic()
-                    print(f"warning: heartbeat write to {self.dir} failed ({e}); retrying", flush=True)
-                elif time.monotonic() - failing > self.timeout / 2:  # before the peer gives up on this role
-                    self.beat_error = f"heartbeat writes to {self.dir} kept failing for {self.timeout / 2:.0f}s: {e}"
-                    return
-            if self.stop.wait(1.0):
-                return
-
-    def close(self):
-        self.stop.set()
-
-    def prune(self, before):
-        """Delete the records of phases before schedule position `before`, and stale temporary files."""
-        for name in os.listdir(self.dir):
-            path, m = os.path.join(self.dir, name), re.fullmatch(r"p(\d+)-.*\.json", name)
-            try:
-                if (m and int(m.group(1)) < before) or (
-                        name.endswith(".tmp") and time.time() - os.lstat(path).st_mtime > self.timeout):
-                    os.remove(path)
-            except OSError:  # the other role's rename got there first, or a planted directory
-                pass
-
-
 # What crosses the store besides the run's settings and the heartbeats: per main turn, the sub-tasks one
 # way and S's answers the other; after the rollouts, `exchange` (section 7). The checks below hold for
 # what the peer writes; a store is untrusted input, so anything else is an error that names the record.
@@ -1062,8 +920,8 @@ def serve_sub(sub, store, args, search, start, finish_phase):
 
 
 # =========================================================================================
-# Appendix: infrastructure. The cold start, checkpoints, CUDA graphs, the memory estimate,
-# progress and plots, the command line and the run's set-up
+# Appendix: the run. The cold start, the command line, the set-up and the report (checkpoints,
+# CUDA graphs, the memory estimate, progress lines and plots are in infra/runtime.py)
 # =========================================================================================
 def encode_demo(agent, msgs, kind):
     """A demo conversation as a Traj, built exactly as rollouts build contexts (log-probs unused)."""
@@ -1107,8 +965,10 @@ def cold_start(agent, kind, args, seed, steps=None):
     return loss.item()
 
 
-def cold_start_job(path, kind, args, seed, steps):
-    """A cold start in a process of its own: the agent saved at `path`, trained with one thread, saved back."""
+def cold_start_job(path, kind, args, seed, steps, parent):
+    """A cold start in a process of its own: the agent saved at `path`, trained with one thread, saved
+    back; it ends when the process `parent` does."""
+    exit_with_parent(parent)
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     agent = load_agent(path, args, seed=0)
@@ -1117,12 +977,13 @@ def cold_start_job(path, kind, args, seed, steps):
     return loss
 
 
-def cold_start_all(agents, kinds, steps, args):
+def cold_start_all(agents, kinds, steps, args, more=0):
     """Every agent's cold start ({name: steps}); their final losses. On a CPU with cores to spare they
     run at once, each in a process of its own (a tiny model uses a second thread poorly, and the agents
-    share nothing); short ones do not pay for a process start."""
+    share nothing); short ones do not pay for a process start. more > 0: the more-th continuation,
+    on demos of its own."""
     jobs = {n: s for n, s in steps.items() if s}
-    seeds = {n: toy_tools.stable_seed(args.seed, "sft-" + n) for n in steps}
+    seeds = {n: toy_tools.stable_seed(args.seed, "sft-" + n, *[more] * (more > 0)) for n in steps}
     if len(jobs) < 2 or args.device != "cpu" or (os.cpu_count() or 1) < 2 or min(jobs.values()) < 100:
         return {n: cold_start(agents[n], kinds[n], args, seeds[n], s) for n, s in jobs.items()}
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(len(jobs), multiprocessing.get_context("spawn")) \
@@ -1130,156 +991,12 @@ def cold_start_all(agents, kinds, steps, args):
         for n in jobs:
             agents[n].model.save_pretrained(os.path.join(tmp, n))
             agents[n].tok.save_pretrained(os.path.join(tmp, n))
-        futures = {n: pool.submit(cold_start_job, os.path.join(tmp, n), kinds[n], args, seeds[n], s)
+        futures = {n: pool.submit(cold_start_job, os.path.join(tmp, n), kinds[n], args, seeds[n], s, os.getpid())
                    for n, s in jobs.items()}
         losses = {n: f.result() for n, f in futures.items()}
         for n in jobs:
             agents[n].model.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(tmp, n)).state_dict())
     return losses
-
-
-def checkpoints(out):
-    """The checkpoint folders in <out>, oldest first."""
-    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    return [os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d{8}", n)]
-
-
-def save_checkpoint(out, agents, index, n_metrics):
-    """<out>/ckpt-<index>: weights, tokenizers, optimizer and RNG states, the unsync batch and the place
-    in the schedule, in a state.pt that loads with weights_only=True. Written to a temporary folder and
-    renamed, so that a kill at any moment leaves the earlier ones whole; the last two are kept."""
-    tmp = os.path.join(out, f"ckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    for name, a in agents.items():
-        a.model.save_pretrained(os.path.join(tmp, name))
-        a.tok.save_pretrained(os.path.join(tmp, name))
-    torch.save({"index": index, "metrics_lines": n_metrics, "opt": {n: a.opt.state_dict() for n, a in agents.items()},
-                "pending": {n: ([dataclasses.asdict(t) for t in a.pending[0]], a.pending[1].tolist())
-                            for n, a in agents.items() if a.pending},
-                "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}},
-               os.path.join(tmp, "state.pt"))
-    shutil.rmtree(os.path.join(out, f"ckpt-{index:08d}"), ignore_errors=True)  # one from before a crash and --resume
-    os.replace(tmp, os.path.join(out, f"ckpt-{index:08d}"))
-    for path in checkpoints(out)[:-2] + [os.path.join(out, n) for n in os.listdir(out) if n.startswith("ckpt-tmp-")]:
-        shutil.rmtree(path, ignore_errors=True)  # older ones, and what saves killed midway left
-
-
-def load_checkpoint(out, names, args):
-    """(agents, schedule position, metrics lines) from the newest readable checkpoint in <out>, or None."""
-    for path in reversed(checkpoints(out)):
-        try:
-            state, agents = torch.load(os.path.join(path, "state.pt"), weights_only=True), {}  # never unpickles code
-            for name in names:
-                a = agents[name] = load_agent(os.path.join(path, name), args, seed=0)
-                a.opt.load_state_dict(state["opt"][name])
-                if name in state["pending"]:
-                    trajs, adv = state["pending"][name]
-                    a.pending = ([Traj(**t) for t in trajs], torch.tensor(adv))
-            random.setstate((state["rng"]["python"][0], tuple(state["rng"]["python"][1]), state["rng"]["python"][2]))
-            torch.set_rng_state(state["rng"]["torch"])
-            if state["rng"]["cuda"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-            return agents, int(state["index"]), int(state["metrics_lines"])
-        except Exception as e:  # noqa: BLE001  (a broken checkpoint of any kind: try the one before)
-            print(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {e}); trying the one before", flush=True)
-    return None
-
-
-class GraphDecoder:
-    """--cuda-graphs: decode steps over a static KV cache, replayed as a CUDA graph (a small model's
-    step is many tiny kernels; a graph launches them at once). Fixed shapes: `rows` (batches padded to
-    a power of two) and `length` cache slots. The first replay is checked against the eager step before
-    it; on a mismatch `generate` falls back to the eager loop. Without CUDA (the tests) steps run eagerly."""
-
-    def __init__(self, agent, rows, length):
-        self.agent, dev = agent, agent.model.device
-        self.cache = transformers.StaticCache(config=agent.model.config, max_cache_len=length)
-        self.x, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=dev) for _ in range(2))
-        self.attn, self.graph = torch.zeros(rows, length, dtype=torch.long, device=dev), None
-
-    def forward(self, ids, attn, pos, cache_enabled=True):  # a capture needs autocast's cache off
-        with self.agent.autocast(cache_enabled):
-            return forward_last(self.agent.model, ids, attn, pos, self.cache)
-
-    def prefill(self, ids, attn, pos):
-        self.cache.reset()
-        self.attn.zero_()
-        self.attn[:, :ids.shape[1]] = attn
-        logits = self.forward(ids, self.attn, pos)
-        if any(type(layer) is not transformers.cache_utils.StaticLayer for layer in self.cache.layers):
-            raise RuntimeError("the model's cache layers are not plain static layers (sliding windows?)")
-        return logits
-
-    def step(self, tok, pos, slot):
-        """One token per row, written to cache slot `slot`, at rope position `pos`."""
-        self.x.copy_(tok[:, None]), self.pos.copy_(pos), self.attn[:, slot].fill_(1)
-        if self.x.device.type != "cuda":
-            return self.forward(self.x, self.attn, self.pos)
-        if self.graph is None:  # warm up on a side stream, capture, then replay this very step
-            counts, stream = [layer.cumulative_length.clone() for layer in self.cache.layers], torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                want = self.forward(self.x, self.attn, self.pos).clone()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self.forward(self.x, self.attn, self.pos, cache_enabled=False)
-            for layer, n in zip(self.cache.layers, counts):  # the warm-up wrote this slot: write it again
-                layer.cumulative_length.copy_(n)
-            self.graph.replay()
-            if not torch.allclose(self.logits.float(), want.float(), rtol=1e-3, atol=1e-3):
-                raise RuntimeError("the graph's logits differ from the eager forward's")
-        else:
-            self.graph.replay()
-        return self.logits.clone()
-
-
-def memory_estimate(agent, kind, args):
-    """A rough estimate of one agent's training memory in GiB, printed at start-up: fp32 weights, grads
-    and AdamW states at 16 bytes a parameter (plus the reference), and one micro-batch of the longest
-    contexts the turn limits allow: activations (~34 h bytes a layer and token in 16 bits, ~2 h kept
-    with checkpointing), logits + their fp32 log-softmax + its gradient (~10-12 bytes a vocabulary entry)."""
-    cfg = getattr(agent.model.config, "text_config", agent.model.config)
-    obs = 30 if kind == "main" else (args.visit_max_chars // 3 if agent.chat else 60)  # tokens per tool result
-    T = len(prompt_ids(agent, kind, "x" * 40)) + (args.sub_max_turns if kind == "sub" else args.main_max_turns) * (
-        max_new(agent, args) + obs)
-    B = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)
-    mb = min(args.micro_batch or B, B)
-    act = cfg.num_hidden_layers * cfg.hidden_size * (2 if args.grad_checkpointing else 34) * (1 if agent.bf16 else 2)
-    static = sum(p.numel() for p in agent.model.parameters()) * (16 + (2 if agent.bf16 else 4) * (args.kl_coef > 0))
-    return static / 2 ** 30, mb * T * (act + (10 if agent.bf16 else 12) * cfg.vocab_size) / 2 ** 30, mb, T
-
-
-def progress_line(rec, steps):
-    if "eval" in rec:
-        return f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
-    return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**rec) for key, text in (
-        ("main_reward", "R_M {main_reward:.3f} success {success:.3f} zero-var M {zero_var_main:.2f}"),
-        ("sub_reward", "R_S {sub_reward:.3f} zero-var S {zero_var_sub:.2f} dup {n_dup} drop {n_drop}"),
-        ("approx_kl_main", "kl {approx_kl_main:.1e} gn {grad_norm_main:.2f}"), ("t_step", "{t_step:.2f}s"),
-        ("t_store", "store {t_store:.2f}s")) if key in rec])
-
-
-def plot_curves(out, rows):
-    """<out>/curves.png (rewards per step, held-out success per evaluation) when matplotlib is installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
-    for key in ("main_reward", "sub_reward", "success"):
-        if points := [(r["step"], r[key]) for r in rows if key in r]:
-            ax.plot(*zip(*points), lw=1, label=key)
-    for how, marker in (("sampled", "o"), ("greedy", "s")):
-        ax.plot(*zip(*[(r["step"], r["eval_success"]) for r in rows if r.get("eval") == how]), marker, label=how)
-    ax.set(xlabel="M-GRPO step", ylim=(0, 1.02), title="rewards; held-out success (sampled, greedy)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.savefig(os.path.join(out, "curves.png"))
-    plt.close(fig)
-    return os.path.join(out, "curves.png")
 
 
 def parse_args(argv=None):
@@ -1301,6 +1018,8 @@ def parse_args(argv=None):
         (a.max_sub < 1, "--max-sub must be >= 1"),
         (a.mode not in ("co-train", "main-only", "single-agent"), "--mode must be co-train, main-only or single-agent"),
         (a.mode == "single-agent" and a.role != "both", "--mode single-agent runs in one process (--role both)"),
+        (not 0 <= a.sft_until <= 1, "--sft-until is a success rate, in [0, 1]"),
+        (a.sft_until and a.role != "both", "--sft-until checks both agents together: it needs --role both"),
         (a.unsync and a.mode != "co-train", "--unsync changes how S trains: it needs --mode co-train"),
         (a.loss_agg not in ("seq-mean", "token-mean"), "--loss-agg must be seq-mean or token-mean"),
         (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
@@ -1311,7 +1030,8 @@ def parse_args(argv=None):
         (not (a.lr > 0 and a.lr_sub >= 0), "--lr must be > 0 and --lr-sub >= 0"),
         (min(a.questions_per_step, a.ppo_epochs) < 1 or a.eval_questions == 0,
          "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
-        (not re.fullmatch(r"\d+(,\d+)*", a.sft_levels or "1"), "--sft-levels must list levels, e.g. 1,2"),
+        (not all(re.fullmatch(r"\d+(,\d+)*", x or "1") for x in (a.sft_levels, a.train_levels)),
+         "--sft-levels and --train-levels must list levels, e.g. 1,2"),
         (a.main_max_turns < 2 or a.sub_max_turns < 2, "--main-max-turns and --sub-max-turns must be >= 2"),
         (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
@@ -1320,12 +1040,12 @@ def parse_args(argv=None):
          "--save-every must be >= 1, --peer-timeout > 0 and --progress-timeout >= 0"),
         (a.search_timeout <= 0 or a.search_retries < 0, "--search-timeout must be > 0, --search-retries >= 0")] if bad]
     try:  # the task, and its own check of the levels asked for
-        for level in {a.level, *map(int, re.findall(r"\d+", a.sft_levels))}:
+        for level in {a.level, *map(int, re.findall(r"\d+", a.sft_levels + "," + a.train_levels))}:
             load_task(a.task).make_question(0, level)
     except (ImportError, FileNotFoundError, AttributeError) as e:
         errors.append(f"--task {a.task}: {e}")
     except ValueError as e:
-        errors.append(f"--level / --sft-levels: {e}")
+        errors.append(f"--level / --sft-levels / --train-levels: {e}")
     if errors:
         p.error("; ".join(errors))
     if a.eval_questions == -1:
@@ -1333,8 +1053,8 @@ def parse_args(argv=None):
     return a
 
 
-SHARED_ARGS = ("seed", "steps", "mode", "task", "questions_per_step", "group_size", "max_sub", "level", "eval_every",
-               "eval_questions", "unsync", "w_sub")  # what the two roles must agree on
+SHARED_ARGS = ("seed", "steps", "mode", "task", "questions_per_step", "group_size", "max_sub", "level", "train_levels",
+               "eval_every", "eval_questions", "unsync", "w_sub")  # what the two roles must agree on
 
 
 def prepare(args, out, names, store):
@@ -1362,7 +1082,8 @@ def prepare(args, out, names, store):
         if previous != shared:
             diff = {k: (v, shared.get(k)) for k, v in previous.items() if shared.get(k) != v}
             raise StoreError(f"the sub role's settings differ from the main role's (main, sub): {diff}")
-    resumed = load_checkpoint(out, names, args) if args.resume else None
+    resumed = load_checkpoint(out, names, functools.partial(load_agent, args=args, seed=0), Traj) if args.resume \
+        else None
     if resumed:
         agents, start, n_lines = resumed
         path = os.path.join(out, "metrics.jsonl")
@@ -1390,7 +1111,8 @@ def prepare(args, out, names, store):
           + f" | {args.mode} K={args.group_size} D={args.max_sub} level={args.level} device={args.device} "
             f"{args.dtype}" + (" unsync" if args.unsync else "") + f" | out: {out}", flush=True)
     for n, a in agents.items():
-        static, act, mb, T = memory_estimate(a, kinds[n], args)
+        static, act, mb, T = memory_estimate(a, kinds[n], args, len(prompt_ids(a, kinds[n], "x" * 40)),
+                                             max_new(a, args))
         print(f"memory estimate, {n}: {static + act:.2f} GiB = {static:.2f} weights, grads, AdamW"
               + (", reference" if args.kl_coef else "") + f" + {act:.2f} one micro-batch ({mb} x up to {T} tokens;"
               " --micro-batch and --grad-checkpointing lower it)", flush=True)
@@ -1402,11 +1124,23 @@ def prepare(args, out, names, store):
     if not resumed:
         sft = {n: args.sft_steps if args.sft_steps >= 0 else 0 if given[n] else 600 for n in names}
         if any(sft.values()):
-            t0 = time.time()
-            losses = cold_start_all(agents, kinds, sft, args)
-            print("cold start on noisy demos, final loss " + " ".join(f"{n} {v:.3f} ({sft[n]} steps)" for n, v in
-                                                                      losses.items()) + f" ({time.time() - t0:.0f}s)",
-                  flush=True)
+            for more in range(4 if args.sft_until else 1):  # the check: greedy success per demo level
+                t0 = time.time()
+                losses = cold_start_all(agents, kinds, sft, args, more)
+                print("cold start on noisy demos" + " (more)" * (more > 0) + ", final loss " + " ".join(
+                    f"{n} {v:.3f} ({sft[n]} steps)" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)",
+                      flush=True)
+                if not args.sft_until:
+                    break
+                delegate = functools.partial(run_sub_agents, agents["sub"], args, search) if "sub" in agents else None
+                levels = sorted({int(x) for x in (args.sft_levels or str(args.level)).split(",")})
+                check = {lv: evaluate(agents["main"], dataclasses.replace(args, level=lv, eval_questions=256),
+                                      delegate, search, True, EVAL_SEED + 2 ** 30) for lv in levels}  # not eval's
+                print("cold-start check, greedy success: " + ", ".join(f"level {lv} {v:.3f}" for lv, v in
+                      check.items()) + ("" if min(check.values()) >= args.sft_until else
+                                        ", below --sft-until" + ": going on" * (more < 3)), flush=True)
+                if min(check.values()) >= args.sft_until:
+                    break
         save_checkpoint(out, agents, 0, 0)
     if args.kl_coef:  # the frozen reference: each agent as RL starts (after the cold start)
         for n, a in agents.items():

@@ -2,10 +2,13 @@
 uncertainty that comes from both.
 
 Every run follows the paper's two-stage curriculum. Stage 1, once per --stage1-seeds: a cold
-start on noisy scripted demos of the task's levels (the stand-in for a pretrained model), then
---stage1-steps of M-GRPO on level-1 questions. Stage 2: every arm starts from that stage 1 and
-trains --stage2-steps on harder questions, once per --seeds. The single agent gets a stage 1 of
-its own, built the same way. Arms (the paper's Sec. 4):
+start on noisy scripted demos of the task's levels (the stand-in for a pretrained model) that
+goes on until the system passes a greedy check on each level (--sft-until), then
+--stage1-steps of M-GRPO, evaluated on level 1, on questions of level 1 and of the harder
+levels in turn (--stage1-levels; the paper's stage 1 sees easy questions only, but a 0.2M main
+agent trained on two-hop questions alone forgets how to plan three hops). Stage 2: every arm
+starts from that stage 1 and trains --stage2-steps on harder questions, once per --seeds. The
+single agent gets a stage 1 of its own, built the same way. Arms (the paper's Sec. 4):
   co-train          M-GRPO: both agents train
   co-train unsync   the same, S trained one step behind (the paper's off-policy version)
   main-only         S frozen as stage 1 left it, M trains
@@ -58,12 +61,19 @@ def parse(argv=None):
                    help=f"arms to run, of {list(ARMS)}; default: the experiment's two")
     p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3], help="one stage 1 per seed")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
-    p.add_argument("--sft-steps", type=int, default=2400, help="cold-start steps (stage 1)")
+    p.add_argument("--sft-steps", type=int, default=1200, help="cold-start steps (stage 1), and the size of each "
+                   "continuation that --sft-until asks for")
+    p.add_argument("--sft-until", type=float, default=0.95,
+                   help="the cold start goes on (at most 3 times) until the system's greedy success on held-out "
+                        "questions of each demo level reaches this (mgrpo.py --sft-until); 0: no check")
     p.add_argument("--sft-levels", default="",
                    help="levels of the cold-start demos, in turn; empty: the experiment's (paper, unsync: 1,2,2: "
                         "two level-2 demos per level-1 one; single: 1,2,3,3)")
     p.add_argument("--sft-lr", type=float, default=1.5e-3, help="cold-start learning rate (stage 1)")
-    p.add_argument("--stage1-steps", type=int, default=60, help="RL steps on level-1 questions (stage 1)")
+    p.add_argument("--stage1-steps", type=int, default=60, help="RL steps in stage 1")
+    p.add_argument("--stage1-levels", default="",
+                   help="levels of stage 1's RL questions, in turn; empty: each level of the demos once (paper, "
+                        "unsync: 1,2; single: 1,2,3); 1: the paper's stage 1 of easy questions only")
     p.add_argument("--stage2-steps", type=int, default=150, help="RL steps per stage-2 run")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every N stage-2 steps")
     p.add_argument("--eval-questions", type=int, default=256, help="held-out questions per evaluation")
@@ -81,9 +91,14 @@ def parse(argv=None):
         p.error("--resume needs the --out of the comparison to continue")
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
     a.sft_levels = a.sft_levels or EXPERIMENTS[a.experiment][2]
+    a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:
-        a.stage1_seeds, a.seeds, a.sft_steps, a.stage1_steps, a.stage2_steps = a.stage1_seeds[:2], a.seeds[:2], 150, 2, 4
+        a.stage1_seeds, a.seeds = a.stage1_seeds[:2], a.seeds[:2]
+        a.sft_steps, a.stage1_steps, a.stage2_steps = 150, 2, 4
+        a.sft_until = min(a.sft_until, 0.05)
         a.eval_every, a.eval_questions = 2, 16
+    if not 0 <= a.sft_until <= 1:
+        p.error("--sft-until is a success rate, in [0, 1]")
     if min(a.sft_steps, a.stage1_steps) < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1:
         p.error("step counts must be >= 0, and --stage2-steps, --eval-every, --eval-questions, --jobs >= 1")
     if len(set(a.stage1_seeds)) != len(a.stage1_seeds) or len(set(a.seeds)) != len(a.seeds):
@@ -217,10 +232,14 @@ def main(argv=None):
     t_start = time.time()
     common = ["--eval-questions", str(a.eval_questions), *a.extra.split()]
     stage1, stage2_plan, plan = {}, {}, {}
-    s1_prefix = "stage1-levels" + a.sft_levels.replace(",", "")  # experiments with the same demos share them
+    s1_prefix = "stage1-levels" + a.sft_levels.replace(",", "")  # experiments with the same stage 1 share it
     for s1 in a.stage1_seeds:
-        base = ["--level", "1", "--sft-levels", a.sft_levels, "--sft-steps", str(a.sft_steps), "--sft-lr",
-                str(a.sft_lr), "--steps", str(a.stage1_steps), "--eval-every", "0", "--seed", str(s1), *common]
+        stage2 = EXPERIMENTS[a.experiment][1]  # D and M's turns as in stage 2: stage 1 meets its hardest questions
+        shape = [x for key in ("--max-sub", "--main-max-turns") if key in stage2
+                 for x in (key, stage2[stage2.index(key) + 1])]
+        base = ["--level", "1", "--train-levels", a.stage1_levels, *shape, "--sft-levels", a.sft_levels, "--sft-steps",
+                str(a.sft_steps), "--sft-lr", str(a.sft_lr), "--sft-until", str(a.sft_until), "--steps",
+                str(a.stage1_steps), "--eval-every", "0", "--seed", str(s1), *common]
         if any(arm != "single-agent" for arm in a.arms):
             stage1[f"{s1_prefix}-seed{s1}-system"] = base
         if "single-agent" in a.arms:

@@ -104,7 +104,7 @@ def main():
         return 1
     survived, t_all = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("mgrpo.py", "toy_tools.py", "tutorial.md", "tests", "scripts"):
+        for name in ("mgrpo.py", "toy_tools.py", "infra", "tutorial.md", "tests", "scripts"):
             src = os.path.join(ROOT, name)
             (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(tmp, name))
         for i, (what, file, old, new) in picked:

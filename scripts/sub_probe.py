@@ -48,6 +48,7 @@ def perfect_sub_agent(tasks, questions, seed, greedy):
 
 def main(argv=None):
     args = mgrpo.parse_args(argv)
+    mgrpo.transformers.utils.logging.disable_progress_bar()
     t0 = time.time()
     agents = {"main": mgrpo.load_agent(args.main_model, args, seed=args.seed),
               "sub": mgrpo.load_agent(args.sub_model, args, seed=args.seed + 1)}

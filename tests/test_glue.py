@@ -232,6 +232,21 @@ def test_single_agent_has_no_sub_agent(tmp_path):
     assert len(steps) == 2 and all(r["sub_calls"] == 0 and "sub_reward" not in r for r in steps)
 
 
+def test_train_levels_mix_the_training_questions_and_evaluations_keep_level(tmp_path, monkeypatch):
+    made, real = [], toy_tools.make_question
+
+    def spy(seed, level):
+        if seed:  # seed 0: parse_args checking that the levels exist
+            made.append((seed >= mgrpo.EVAL_SEED, level))
+        return real(seed, level)
+    monkeypatch.setattr(toy_tools, "make_question", spy)
+    mgrpo.main(["--train-levels", "1,2,2", "--level", "1", "--sft-steps", "0", "--steps", "2", "--questions-per-step",
+                "6", "--group-size", "2", "--eval-questions", "3", "--eval-every", "0", "--model-size", "0.1M",
+                "--out", str(tmp_path)])
+    assert [level for held_out, level in made if not held_out] == [1, 2, 2, 1, 2, 2] * 2  # in turn, per step
+    assert {level for held_out, level in made if held_out} == {1}
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("positions", ["rotary", "absolute"])
 def test_padding_on_either_side_scores_like_no_padding(agents, side, positions):

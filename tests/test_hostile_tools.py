@@ -159,7 +159,7 @@ ADVERSARIAL_PAGES = {
 
 def _seconds(f, text):
     best = float("inf")
-    for _ in range(2):  # best of two: a loaded machine only ever adds time
+    for _ in range(3):  # best of three: a loaded machine only ever adds time
         t0 = time.perf_counter()
         f(text)
         best = min(best, time.perf_counter() - t0)
@@ -168,14 +168,15 @@ def _seconds(f, text):
 
 @pytest.mark.parametrize("name", list(ADVERSARIAL_ACTIONS) + list(ADVERSARIAL_PAGES))
 def test_parsers_and_html_text_take_linear_time(name):
-    """1 MB of adversarial text in well under a second, and 4x the text takes about 4x the time."""
+    """1 MB of adversarial text in seconds at most, and 4x the text takes well under the 16x of a
+    quadratic scan (the bounds leave room for a busy machine)."""
     make = ADVERSARIAL_ACTIONS.get(name) or ADVERSARIAL_PAGES[name]
     fs = ([lambda s: tt.parse_action(s, tt.MAIN_TAGS), lambda s: tt.parse_chat_action(s, "sub")]
           if name in ADVERSARIAL_ACTIONS else [tt.html_text])
     for f in fs:
-        assert _seconds(f, make(64_000)) < 0.5  # a quadratic scan takes seconds here already
+        assert _seconds(f, make(64_000)) < 1.0  # a quadratic scan takes seconds here already
         quarter, whole = _seconds(f, make(250_000)), _seconds(f, make(1_000_000))
-        assert whole < 2.0 and whole < 4 * quarter + 0.2, (name, quarter, whole)
+        assert whole < 5.0 and whole < 8 * quarter + 0.3, (name, quarter, whole)
 
 
 def test_html_text_of_hostile_pages():

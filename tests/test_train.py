@@ -3,12 +3,16 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
 
 import mgrpo
+from infra.runtime import checkpoints
 import toy_tools
 
 TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "t_store", "t_update", "t_train_main", "t_train_sub", "t_gen_sub",
@@ -40,8 +44,8 @@ def test_short_run_writes_everything(tmp_path):
     assert saved == json.loads(json.dumps(summary))
     for key in ("eval_success_start", "eval_success_end", "steps", "wall_time_s", "D_paper_rule", "d_k_histogram"):
         assert key in saved, key
-    state = torch.load(os.path.join(mgrpo.checkpoints(out)[-1], "state.pt"), weights_only=True)
-    assert len(mgrpo.checkpoints(out)) == 2  # the last two are kept
+    state = torch.load(os.path.join(checkpoints(out)[-1], "state.pt"), weights_only=True)
+    assert len(checkpoints(out)) == 2  # the last two are kept
     assert state["index"] == len(mgrpo.schedule(mgrpo.parse_args(SHORT))) and state["metrics_lines"] == 8
     assert state["opt"]["main"]["state"] and state["opt"]["sub"]["state"]
     assert set(state["rng"]) == {"python", "torch", "cuda"}  # numpy draws nothing during a run
@@ -64,10 +68,40 @@ def test_bad_arguments_fail_clearly(capsys):
                       (["--mode", "single-agent", "--role", "main", "--store", "s"], "runs in one process"),
                       (["--mode", "main-only", "--unsync"], "--unsync changes how S trains"),
                       (["--sft-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
-                      (["--sft-levels", "1,x"], "--sft-levels must list levels")]:
+                      (["--sft-levels", "1,x"], "--sft-levels and --train-levels must list levels"),
+                      (["--train-levels", "2,"], "--sft-levels and --train-levels must list levels"),
+                      (["--train-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
+                      (["--sft-until", "1.5"], "--sft-until is a success rate"),
+                      (["--sft-until", "0.9", "--role", "sub", "--store", "s"], "it needs --role both")]:
         with pytest.raises(SystemExit):
             mgrpo.parse_args(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_path, capsys, monkeypatch):
+    """--sft-until: greedy success per demo level, on held-out questions that evaluations never use,
+    after the cold start; below the bar, another --sft-steps on new demos, at most 3 times."""
+    calls, score = [], [0.0]
+
+    def fake_evaluate(main, args, delegate, search, greedy=False, first=mgrpo.EVAL_SEED):
+        calls.append((args.level, args.eval_questions, greedy, first))
+        return score[0]
+    monkeypatch.setattr(mgrpo, "evaluate", fake_evaluate)
+    base = ["--steps", "0", "--sft-steps", "5", "--model-size", "0.1M", "--sft-levels", "1,2", "--eval-questions", "8"]
+    mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "never")])
+    out = capsys.readouterr().out
+    assert out.count("cold start on noisy demos (more)") == 3 and out.count("cold-start check") == 4
+    assert out.count("below --sft-until: going on") == 3 and out.count("below --sft-until") == 4
+    checks = [c for c in calls if c[3] != mgrpo.EVAL_SEED]
+    assert checks == [(1, 256, True, mgrpo.EVAL_SEED + 2 ** 30), (2, 256, True, mgrpo.EVAL_SEED + 2 ** 30)] * 4
+    assert mgrpo.EVAL_SEED + 2 ** 30 >= mgrpo.EVAL_SEED + 256  # the check's questions are not eval's
+    calls.clear()
+    score[0] = 0.9
+    mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "passes")])
+    mgrpo.main(base + ["--out", str(tmp_path / "off")])
+    out = capsys.readouterr().out
+    assert "(more)" not in out and out.count("cold-start check") == 1 and out.count("cold start on noisy demos") == 2
+    assert len([c for c in calls if c[3] != mgrpo.EVAL_SEED]) == 2
 
 
 def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_dir):
@@ -227,3 +261,53 @@ def test_help_lists_every_option_with_its_docstring(capsys):
     flat = " ".join(out.split())
     for f in mgrpo.dataclasses.fields(mgrpo.Args):
         assert "--" + f.name.replace("_", "-") in out and " ".join(f.metadata["help"].split()) in flat, f.name
+
+
+def _children(pid):
+    """{pid: command line} of the live processes whose parent is `pid` (Linux /proc)."""
+    kids = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z":
+            kids[int(d)] = cmd
+    return kids
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_killed_run_takes_its_cold_start_workers_with_it(tmp_path):
+    """The two agents' cold starts run in worker processes; killed midway, a run leaves none of
+    them training on (they watch their parent)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "mgrpo.py", "--sft-steps", "100000", "--steps", "0", "--model-size", "0.1M",
+                             "--out", str(tmp_path)], cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            workers = [p for p, cmd in _children(proc.pid).items() if "spawn_main" in cmd]
+            if len(workers) == 2:
+                break
+            time.sleep(0.2)
+        assert len(workers) == 2, "the cold starts did not start in two worker processes"
+        time.sleep(2)
+        assert all(_alive(p) for p in workers)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 30
+    while any(_alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers)

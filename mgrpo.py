@@ -53,8 +53,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import toy_tools
-from infra.runtime import GraphDecoder, exit_with_parent, load_checkpoint, memory_estimate, plot_curves, progress_line, \
-    save_checkpoint
+from infra.runtime import (GraphDecoder, exit_with_parent, load_checkpoint, memory_estimate, plot_curves,
+                           progress_line, save_checkpoint)
 from infra.store import FileStore, StoreError
 
 
@@ -735,8 +735,9 @@ def train_step(main, sub, step, args, delegate, search=None, store=None, phase="
     writes `exchange` to the store before its own update, so that both updates run at once."""
     t0 = time.perf_counter()
     rng = random.Random(toy_tools.stable_seed(args.seed, "questions", step))
-    levels = [int(x) for x in (args.train_levels or str(args.level)).split(",")]
-    questions = [load_task(args.task).make_question(rng.randrange(2 ** 31), levels[i % len(levels)])
+    levels = [int(x) for x in (args.train_levels or str(args.level)).split(",")]  # in turn, across steps too
+    questions = [load_task(args.task).make_question(rng.randrange(2 ** 31),
+                                                    levels[(step * args.questions_per_step + i) % len(levels)])
                  for i in range(args.questions_per_step)]
     K = args.group_size
     main_trajs, sub_trajs = rollout(main, questions, K, args, toy_tools.stable_seed(args.seed, "rollout", step),
@@ -1020,6 +1021,7 @@ def parse_args(argv=None):
         (a.mode == "single-agent" and a.role != "both", "--mode single-agent runs in one process (--role both)"),
         (not 0 <= a.sft_until <= 1, "--sft-until is a success rate, in [0, 1]"),
         (a.sft_until and a.role != "both", "--sft-until checks both agents together: it needs --role both"),
+        (a.sft_until and a.sft_steps == 0, "--sft-until checks a cold start: it needs --sft-steps > 0"),
         (a.unsync and a.mode != "co-train", "--unsync changes how S trains: it needs --mode co-train"),
         (a.loss_agg not in ("seq-mean", "token-mean"), "--loss-agg must be seq-mean or token-mean"),
         (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
@@ -1141,6 +1143,13 @@ def prepare(args, out, names, store):
                                         ", below --sft-until" + ": going on" * (more < 3)), flush=True)
                 if min(check.values()) >= args.sft_until:
                     break
+            if args.sft_until:  # in summary.json too: a cold start that did not pass must not go unseen
+                passed = min(check.values()) >= args.sft_until
+                with open(os.path.join(out, "sft_check.json"), "w") as f:
+                    json.dump({"passed": passed, "rounds": more + 1, "greedy": check}, f)
+                if not passed:
+                    print("warning: the cold start did not reach --sft-until after 3 more rounds; RL starts anyway",
+                          flush=True)
         save_checkpoint(out, agents, 0, 0)
     if args.kl_coef:  # the frozen reference: each agent as RL starts (after the cold start)
         for n, a in agents.items():
@@ -1164,6 +1173,13 @@ def report(args, agents, out, store, t_start):
     summary = {"role": args.role, "mode": args.mode, "level": args.level, "steps": len(steps),
                "params": sum(p.numel() for a in agents.values() for p in a.model.parameters()),
                "wall_time_s": round(time.time() - t_start, 1)}
+    try:  # written by this run's cold start (--sft-until), if it had one
+        with open(os.path.join(out, "sft_check.json")) as f:
+            summary["sft_check"] = json.load(f)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        print(f"warning: {out}/sft_check.json cannot be read ({e}); summary.json goes without it", flush=True)
     if store:
         t_step = sum(r["t_step"] for r in steps)
         summary["store_share_of_step_time"] = sum(r.get("t_store", 0.0) for r in steps) / max(t_step, 1e-9)

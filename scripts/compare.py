@@ -114,12 +114,14 @@ def run(name, argv, out, resume=False):
     folder = os.path.join(out, name)
     os.makedirs(folder, exist_ok=True)
     cmd_file, summary_file = os.path.join(folder, "options.json"), os.path.join(folder, "summary.json")
-    if resume and os.path.exists(cmd_file):
+    old = None
+    if os.path.exists(cmd_file):  # never overwrite a run (a stage 1 that other runs start from) with another
         with open(cmd_file) as f:
             old = json.load(f)
         if old != argv:
             raise RuntimeError(f"{folder} holds a run with other options ({' '.join(map(str, old))}); "
                                "use another --out")
+    if resume and old is not None:
         if os.path.exists(summary_file):
             print(f"  reused {name} (finished before)", flush=True)
             with open(summary_file) as f:
@@ -315,7 +317,11 @@ def main(argv=None):
     title = f"'{a.experiment}': {len(a.seeds)} seeds per stage 1, mean and min-max"
     has_png = plot(curves, a.arms, a.stage1_seeds, os.path.join(exp_out, "curves.png"), title)
     s1_lines = [f"- `{k}`: level-1 sampled success {v['eval_success_start']:.3f} -> {v['eval_success_end']:.3f}, "
-                f"greedy {v['eval_greedy_success_end']:.3f}" for k, v in s1_done.items()]
+                f"greedy {v['eval_greedy_success_end']:.3f}" + (
+                    f"; cold-start check {'passed' if v['sft_check']['passed'] else '**not passed**'} after "
+                    f"{v['sft_check']['rounds']} round(s), greedy " + ", ".join(
+                        f"level {lv} {x:.3f}" for lv, x in v['sft_check']['greedy'].items())
+                    if v.get("sft_check") else "") for k, v in s1_done.items()]
     md = "\n".join([
         f"# Comparison '{a.experiment}': {', '.join(a.arms)}", "",
         f"{len(a.stage1_seeds)} stage 1s (seeds {', '.join(map(str, a.stage1_seeds))}) x {len(a.seeds)} stage-2 "

@@ -60,6 +60,11 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
         assert f"| {arm} |" in md
     assert "Paired difference co-train - main-only" in md and "95% interval" in md
     assert "--mode main-only" in md and "--sft-levels 1,2,2" in md  # every command is written down
+    assert md.count("cold-start check passed after 1 round(s)") == 2  # each stage 1 says how its check went
+    # a stage 1 that other runs start from is never replaced by one with other options, resumed or not
+    for resume in ([], ["--resume"]):
+        with pytest.raises(RuntimeError, match="holds a run with other options"):
+            compare.main(["--quick", "--out", str(out), "--stage1-levels", "1"] + resume)
     with open(out / "paper" / "curves.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * 2 * 2 * 3  # arms x stage 1s x seeds x evaluations (steps 0, 2, 4)

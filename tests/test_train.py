@@ -72,7 +72,8 @@ def test_bad_arguments_fail_clearly(capsys):
                       (["--train-levels", "2,"], "--sft-levels and --train-levels must list levels"),
                       (["--train-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
                       (["--sft-until", "1.5"], "--sft-until is a success rate"),
-                      (["--sft-until", "0.9", "--role", "sub", "--store", "s"], "it needs --role both")]:
+                      (["--sft-until", "0.9", "--role", "sub", "--store", "s"], "it needs --role both"),
+                      (["--sft-until", "0.9", "--sft-steps", "0"], "it needs --sft-steps > 0")]:
         with pytest.raises(SystemExit):
             mgrpo.parse_args(argv)
         assert msg in capsys.readouterr().err
@@ -88,17 +89,19 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
         return score[0]
     monkeypatch.setattr(mgrpo, "evaluate", fake_evaluate)
     base = ["--steps", "0", "--sft-steps", "5", "--model-size", "0.1M", "--sft-levels", "1,2", "--eval-questions", "8"]
-    mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "never")])
+    summary = mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "never")])
     out = capsys.readouterr().out
     assert out.count("cold start on noisy demos (more)") == 3 and out.count("cold-start check") == 4
     assert out.count("below --sft-until: going on") == 3 and out.count("below --sft-until") == 4
+    assert "did not reach --sft-until" in out
+    assert summary["sft_check"] == {"passed": False, "rounds": 4, "greedy": {"1": 0.0, "2": 0.0}}
     checks = [c for c in calls if c[3] != mgrpo.EVAL_SEED]
     assert checks == [(1, 256, True, mgrpo.EVAL_SEED + 2 ** 30), (2, 256, True, mgrpo.EVAL_SEED + 2 ** 30)] * 4
     assert mgrpo.EVAL_SEED + 2 ** 30 >= mgrpo.EVAL_SEED + 256  # the check's questions are not eval's
     calls.clear()
     score[0] = 0.9
-    mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "passes")])
-    mgrpo.main(base + ["--out", str(tmp_path / "off")])
+    assert mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "passes")])["sft_check"]["rounds"] == 1
+    assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off")])
     out = capsys.readouterr().out
     assert "(more)" not in out and out.count("cold-start check") == 1 and out.count("cold start on noisy demos") == 2
     assert len([c for c in calls if c[3] != mgrpo.EVAL_SEED]) == 2
@@ -292,8 +295,8 @@ def test_a_killed_run_takes_its_cold_start_workers_with_it(tmp_path):
     """The two agents' cold starts run in worker processes; killed midway, a run leaves none of
     them training on (they watch their parent)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "mgrpo.py", "--sft-steps", "100000", "--steps", "0", "--model-size", "0.1M",
-                             "--out", str(tmp_path)], cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "mgrpo.py", "--sft-steps", "100000", "--steps", "0", "--model-size", "0.1M", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:

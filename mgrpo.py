@@ -133,6 +133,11 @@ class Args:
 # 1. The system: two distinct LLMs, each with its own optimizer (the paper's vertical
 #    multi-agent system: M plans and delegates, S runs a multi-turn tool loop per sub-task)
 # =========================================================================================
+def levels(text, default):
+    """A level list such as --train-levels '1,2,2' (taken in turn); empty: [default]."""
+    return [int(x) for x in (text or str(default)).split(",")]
+
+
 @functools.lru_cache(maxsize=None)
 def load_task(name):
     """The task (--task): an importable module's name, or the path of a .py file."""
@@ -735,10 +740,9 @@ def train_step(main, sub, step, args, delegate, search=None, store=None, phase="
     writes `exchange` to the store before its own update, so that both updates run at once."""
     t0 = time.perf_counter()
     rng = random.Random(toy_tools.stable_seed(args.seed, "questions", step))
-    levels = [int(x) for x in (args.train_levels or str(args.level)).split(",")]  # in turn, across steps too
-    questions = [load_task(args.task).make_question(rng.randrange(2 ** 31),
-                                                    levels[(step * args.questions_per_step + i) % len(levels)])
-                 for i in range(args.questions_per_step)]
+    mix, Q = levels(args.train_levels, args.level), args.questions_per_step  # in turn, across steps too
+    questions = [load_task(args.task).make_question(rng.randrange(2 ** 31), mix[(step * Q + i) % len(mix)])
+                 for i in range(Q)]
     K = args.group_size
     main_trajs, sub_trajs = rollout(main, questions, K, args, toy_tools.stable_seed(args.seed, "rollout", step),
                                     delegate, search)
@@ -943,10 +947,10 @@ def cold_start(agent, kind, args, seed, steps=None):
     steps, task = (steps if steps is not None else args.sft_steps if args.sft_steps >= 0 else 600), load_task(args.task)
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
-    rng, levels = random.Random(seed), [int(x) for x in (args.sft_levels or str(args.level)).split(",")]
+    rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     t0, loss = time.time(), torch.tensor(0.0)
     for i in range(steps):
-        demos = [task.demo(task.make_question(rng.randrange(2 ** 31), levels[j % len(levels)]), rng, args.demo_noise,
+        demos = [task.demo(task.make_question(rng.randrange(2 ** 31), mix[j % len(mix)]), rng, args.demo_noise,
                            kind, agent.chat) for j in range(args.sft_batch)]
         ids, attn, mask, _ = collate([encode_demo(agent, d, kind) for d in demos], agent.pad_id, agent.model.device)
         agent.model.train(args.grad_checkpointing)
@@ -998,6 +1002,32 @@ def cold_start_all(agents, kinds, steps, args, more=0):
         for n in jobs:
             agents[n].model.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(tmp, n)).state_dict())
     return losses
+
+
+def cold_start_checked(agents, kinds, steps, args, search, out):
+    """The cold start, then (--sft-until) its check: the system's greedy success on 256 held-out
+    questions of each demo level, seeds that evaluations never use; below the bar, another round on
+    new demos, at most 3 more. The outcome goes to <out>/sft_check.json (and so into summary.json)."""
+    delegate = functools.partial(run_sub_agents, agents["sub"], args, search) if "sub" in agents else None
+    check_levels = sorted(set(levels(args.sft_levels, args.level)))
+    for more in range(4 if args.sft_until else 1):
+        t0 = time.time()
+        losses = cold_start_all(agents, kinds, steps, args, more)
+        print("cold start on noisy demos" + " (more)" * (more > 0) + ", final loss " + " ".join(
+            f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)", flush=True)
+        if not args.sft_until:
+            return
+        check = {lv: evaluate(agents["main"], dataclasses.replace(args, level=lv, eval_questions=256), delegate,
+                              search, True, EVAL_SEED + 2 ** 30) for lv in check_levels}
+        passed = min(check.values()) >= args.sft_until
+        print("cold-start check, greedy success: " + ", ".join(f"level {lv} {v:.3f}" for lv, v in check.items())
+              + ("" if passed else ", below --sft-until" + ": going on" * (more < 3)), flush=True)
+        if passed:
+            break
+    with open(os.path.join(out, "sft_check.json"), "w") as f:
+        json.dump({"passed": passed, "rounds": more + 1, "greedy": check}, f)
+    if not passed:
+        print("warning: the cold start did not reach --sft-until after 3 more rounds; RL starts anyway", flush=True)
 
 
 def parse_args(argv=None):
@@ -1105,6 +1135,8 @@ def prepare(args, out, names, store):
         with open(os.path.join(out, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=1)
         open(os.path.join(out, "metrics.jsonl"), "w").close()
+        if os.path.exists(os.path.join(out, "sft_check.json")):  # an earlier run's, in the same folder
+            os.remove(os.path.join(out, "sft_check.json"))
         start, n_lines = 0, 0
     kinds, given = {"main": "single" if args.mode == "single-agent" else "main", "sub": "sub"}, {
         "main": args.main_model, "sub": args.sub_model}
@@ -1126,30 +1158,7 @@ def prepare(args, out, names, store):
     if not resumed:
         sft = {n: args.sft_steps if args.sft_steps >= 0 else 0 if given[n] else 600 for n in names}
         if any(sft.values()):
-            for more in range(4 if args.sft_until else 1):  # the check: greedy success per demo level
-                t0 = time.time()
-                losses = cold_start_all(agents, kinds, sft, args, more)
-                print("cold start on noisy demos" + " (more)" * (more > 0) + ", final loss " + " ".join(
-                    f"{n} {v:.3f} ({sft[n]} steps)" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)",
-                      flush=True)
-                if not args.sft_until:
-                    break
-                delegate = functools.partial(run_sub_agents, agents["sub"], args, search) if "sub" in agents else None
-                levels = sorted({int(x) for x in (args.sft_levels or str(args.level)).split(",")})
-                check = {lv: evaluate(agents["main"], dataclasses.replace(args, level=lv, eval_questions=256),
-                                      delegate, search, True, EVAL_SEED + 2 ** 30) for lv in levels}  # not eval's
-                print("cold-start check, greedy success: " + ", ".join(f"level {lv} {v:.3f}" for lv, v in
-                      check.items()) + ("" if min(check.values()) >= args.sft_until else
-                                        ", below --sft-until" + ": going on" * (more < 3)), flush=True)
-                if min(check.values()) >= args.sft_until:
-                    break
-            if args.sft_until:  # in summary.json too: a cold start that did not pass must not go unseen
-                passed = min(check.values()) >= args.sft_until
-                with open(os.path.join(out, "sft_check.json"), "w") as f:
-                    json.dump({"passed": passed, "rounds": more + 1, "greedy": check}, f)
-                if not passed:
-                    print("warning: the cold start did not reach --sft-until after 3 more rounds; RL starts anyway",
-                          flush=True)
+            cold_start_checked(agents, kinds, sft, args, search, out)
         save_checkpoint(out, agents, 0, 0)
     if args.kl_coef:  # the frozen reference: each agent as RL starts (after the cold start)
         for n, a in agents.items():

@@ -105,6 +105,12 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     out = capsys.readouterr().out
     assert "(more)" not in out and out.count("cold-start check") == 1 and out.count("cold start on noisy demos") == 2
     assert len([c for c in calls if c[3] != mgrpo.EVAL_SEED]) == 2
+    # garbage in a run folder's sft_check.json is a warning, not a crash; an earlier run's is not reported
+    (tmp_path / "off" / "sft_check.json").write_text("{ not json")
+    assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off"), "--resume"])
+    assert "sft_check.json cannot be read" in capsys.readouterr().out
+    (tmp_path / "off" / "sft_check.json").write_text((tmp_path / "passes" / "sft_check.json").read_text())
+    assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off")])  # a fresh run: not its check
 
 
 def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_dir):
@@ -266,28 +272,32 @@ def test_help_lists_every_option_with_its_docstring(capsys):
         assert "--" + f.name.replace("_", "-") in out and " ".join(f.metadata["help"].split()) in flat, f.name
 
 
+def _stat(pid):
+    """(state, parent pid) of a process from /proc, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        return state, int(ppid)
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid):
+    return (_stat(pid) or ("Z",))[0] != "Z"
+
+
 def _children(pid):
     """{pid: command line} of the live processes whose parent is `pid` (Linux /proc)."""
     kids = {}
     for d in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{d}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 cmd = f.read().decode(errors="replace")
         except OSError:
             continue
-        if int(ppid) == pid and state != "Z":
+        if _alive(d) and _stat(d)[1] == pid:
             kids[int(d)] = cmd
     return kids
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
 --experiment picks a setting and the two arms to compare (any --arms may be added):
   paper    level 2 (3 hops, 8 noisy snippets per search): co-train against main-only
   unsync   level 2 with S moving fast (its learning rate 1e-3, 3.3 times M's): co-train against unsync
-  single   level 3 (4 hops, 12 noisy snippets), where a single agent's context fills its
-           model's 256 positions while M's stays short: co-train against single-agent
+  single   level 3 (4 hops, 12 noisy snippets), where a single agent's context grows to about
+           230 tokens while M's stays near 50: co-train against single-agent. Its stage 1 is the
+           cold start alone, and both arms clip gradients at 0.1 (see EXPERIMENTS)
 
     python scripts/compare.py                       # 'paper': 3 stage 1s x 3 seeds x 2 arms
     python scripts/compare.py --experiment unsync --out runs/compare --resume  # stage 1s reused
@@ -46,11 +47,17 @@ ARMS = {"co-train": ["--mode", "co-train"],
         "co-train unsync": ["--mode", "co-train", "--unsync"],
         "main-only": ["--mode", "main-only"],
         "single-agent": ["--mode", "single-agent"]}
-EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, the cold-start demos
-    "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3"], "1,2,2"),
-    "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", "--lr-sub", "1e-3"], "1,2,2"),
-    "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5"], "1,2,3,3"),
+EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
+    "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3"], {"sft_levels": "1,2,2"}),
+    "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", "--lr-sub", "1e-3"],
+               {"sft_levels": "1,2,2"}),
+    # stage 1 without RL: 60 RL steps on levels 1, 2, 3 in turn broke M's four-hop plan; gradients
+    # clipped at 0.1, about twice their median here: at 1.0 two of three co-train runs fell to 0 (README)
+    "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5",
+                                              "--grad-clip", "0.1"],
+               {"sft_levels": "1,2,3", "sft_steps": 2400, "stage1_steps": 0}),
 }
+STAGE1 = {"sft_steps": 1200, "stage1_steps": 60}  # stage 1's defaults where an experiment does not set them
 
 
 def parse(argv=None):
@@ -61,16 +68,16 @@ def parse(argv=None):
                    help=f"arms to run, of {list(ARMS)}; default: the experiment's two")
     p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3], help="one stage 1 per seed")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
-    p.add_argument("--sft-steps", type=int, default=1200, help="cold-start steps (stage 1), and the size of each "
-                   "continuation that --sft-until asks for")
+    p.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (stage 1), and the size of each "
+                   "continuation that --sft-until asks for; default: 1200 (single: 2400)")
     p.add_argument("--sft-until", type=float, default=0.95,
                    help="the cold start goes on (at most 3 times) until the system's greedy success on held-out "
                         "questions of each demo level reaches this (mgrpo.py --sft-until); 0: no check")
     p.add_argument("--sft-levels", default="",
                    help="levels of the cold-start demos, in turn; empty: the experiment's (paper, unsync: 1,2,2: "
-                        "two level-2 demos per level-1 one; single: 1,2,3,3)")
+                        "two level-2 demos per level-1 one; single: 1,2,3)")
     p.add_argument("--sft-lr", type=float, default=1.5e-3, help="cold-start learning rate (stage 1)")
-    p.add_argument("--stage1-steps", type=int, default=60, help="RL steps in stage 1")
+    p.add_argument("--stage1-steps", type=int, default=None, help="RL steps in stage 1; default: 60 (single: 0)")
     p.add_argument("--stage1-levels", default="",
                    help="levels of stage 1's RL questions, in turn; empty: each level of the demos once (paper, "
                         "unsync: 1,2; single: 1,2,3); 1: the paper's stage 1 of easy questions only")
@@ -90,7 +97,10 @@ def parse(argv=None):
     if a.resume and not a.out:
         p.error("--resume needs the --out of the comparison to continue")
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
-    a.sft_levels = a.sft_levels or EXPERIMENTS[a.experiment][2]
+    own = {**STAGE1, **EXPERIMENTS[a.experiment][2]}
+    a.sft_levels = a.sft_levels or own["sft_levels"]
+    a.sft_steps = own["sft_steps"] if a.sft_steps is None else a.sft_steps
+    a.stage1_steps = own["stage1_steps"] if a.stage1_steps is None else a.stage1_steps
     a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:
         a.stage1_seeds, a.seeds = a.stage1_seeds[:2], a.seeds[:2]

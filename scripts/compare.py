@@ -217,7 +217,7 @@ def plot(curves, arms, stage1_seeds, path, title):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, len(stage1_seeds), figsize=(3.2 * len(stage1_seeds), 3.4), dpi=120,
+    fig, axes = plt.subplots(1, len(stage1_seeds), figsize=(max(5.0, 3.2 * len(stage1_seeds)), 3.4), dpi=120,
                              sharey=True, squeeze=False)
     for ax, s1 in zip(axes[0], stage1_seeds):
         for arm in arms:

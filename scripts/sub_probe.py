@@ -5,14 +5,18 @@ cold starts. The sub-agent gets 200 held-out sub-tasks per relation and level: t
 answers right (r_expert). The main agent gets 200 held-out questions per level with a
 perfect sub-agent (one that returns the true fact for any well-formed sub-task): its success
 shows whether it plans the hops and answers, apart from S. Greedy and sampled at temperature 1.
+With --mode single-agent: the single agent on 200 held-out questions per level, greedy, and
+for each failure the first search that asks for a wrong entity (the hop before was misread).
 The README's and tutorial's stage-1 figures come from it:
 
     python scripts/sub_probe.py --sft-levels 1,2,2,3
     python scripts/sub_probe.py --main-model runs/compare/stage1-seed2-system/main \
         --sub-model runs/compare/stage1-seed2-system/sub --sft-steps 0
+    python scripts/sub_probe.py --mode single-agent --main-model <stage 1>/main --sft-steps 0
     python scripts/sub_probe.py --help     # any mgrpo.py option
 """
 import os
+import re
 import sys
 import time
 
@@ -46,10 +50,38 @@ def perfect_sub_agent(tasks, questions, seed, greedy):
     return out
 
 
+def single_agent_misses(agent, args, n=200):
+    """--mode single-agent: per level, the greedy rollouts on n held-out questions sorted by the
+    first search that asks for a wrong entity (the hop before it was misread), or right."""
+    for level in sorted(toy_tools.N_SNIPPETS):
+        qs = [toy_tools.make_question(mgrpo.EVAL_SEED + i, level) for i in range(n)]
+        trajs = [mgrpo.new_traj(agent, "single", q.text) for q in qs]
+        trajs = mgrpo.agent_loop(agent, "single", trajs, mgrpo.tool_calls(toy_tools.ToySearch(), qs, args, agent.chat),
+                                 args.main_max_turns, args, 0, True)
+        seen = {}
+        for t, q in zip(trajs, qs):
+            kb, x, chain = toy_tools.knowledge_base(q.seed, level), q.text.split()[-2], []
+            for rel in toy_tools.chain(level):
+                chain.append(x)
+                x = kb[(rel, x)]
+            asked = re.findall(r"<search> (\S+) </search>", agent.tok.decode(t.ids))
+            wrong = next((i for i, (a, b) in enumerate(zip(asked, chain)) if a != b), None)
+            key = ("right" if t.ok and toy_tools.answer_correct(q, t.result) else
+                   f"search {wrong + 1} asks for a wrong entity" if wrong is not None else "other")
+            seen[key] = seen.get(key, 0) + 1
+        print(f"  level {level}: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())), flush=True)
+
+
 def main(argv=None):
     args = mgrpo.parse_args(argv)
     mgrpo.transformers.utils.logging.disable_progress_bar()
     t0 = time.time()
+    if args.mode == "single-agent":
+        agent = mgrpo.load_agent(args.main_model, args, seed=args.seed)
+        steps = args.sft_steps if args.sft_steps >= 0 else 600
+        mgrpo.cold_start_all({"main": agent}, {"main": "single"}, {"main": steps}, args)
+        print("single agent, greedy, 200 held-out questions per level:")
+        return single_agent_misses(agent, args)
     agents = {"main": mgrpo.load_agent(args.main_model, args, seed=args.seed),
               "sub": mgrpo.load_agent(args.sub_model, args, seed=args.seed + 1)}
     steps = args.sft_steps if args.sft_steps >= 0 else 600

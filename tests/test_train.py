@@ -219,6 +219,16 @@ def test_sub_probe_script_runs():
     assert lines[i + 2].startswith("  level 2: friend ") and lines[i + 3].startswith("  level 3: friend1 0")
     for line in lines[-3:]:  # M with a perfect S: two shares in [0, 1]
         assert all(0 <= float(x) <= 1 for x in line.split(":")[1].split("/"))
+    # the single agent: every one of the 200 questions per level is right, or sorted by its first wrong search
+    r = subprocess.run([sys.executable, probe, "--mode", "single-agent", "--sft-steps", "2", "--main-max-turns", "5"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()[-3:]
+    for level, line in zip((1, 2, 3), lines):
+        head, counts = line.split(": ", 1)
+        kinds = dict(c.rsplit(" ", 1) for c in counts.split(", "))
+        assert head == f"  level {level}" and sum(map(int, kinds.values())) == 200
+        assert set(kinds) <= {"right", "other"} | {f"search {i} asks for a wrong entity" for i in range(1, level + 2)}
 
 
 def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, monkeypatch):

@@ -54,16 +54,13 @@ def single_agent_misses(agent, args, n=200):
     """--mode single-agent: per level, the greedy rollouts on n held-out questions sorted by the
     first search that asks for a wrong entity (the hop before it was misread), or right."""
     for level in sorted(toy_tools.N_SNIPPETS):
-        qs = [toy_tools.make_question(mgrpo.EVAL_SEED + i, level) for i in range(n)]
+        qs, tasks = sub_tasks(level, n)
         trajs = [mgrpo.new_traj(agent, "single", q.text) for q in qs]
         trajs = mgrpo.agent_loop(agent, "single", trajs, mgrpo.tool_calls(toy_tools.ToySearch(), qs, args, agent.chat),
                                  args.main_max_turns, args, 0, True)
         seen = {}
-        for t, q in zip(trajs, qs):
-            kb, x, chain = toy_tools.knowledge_base(q.seed, level), q.text.split()[-2], []
-            for rel in toy_tools.chain(level):
-                chain.append(x)
-                x = kb[(rel, x)]
+        for j, (t, q) in enumerate(zip(trajs, qs)):
+            chain = [hop[j].split()[-1] for hop in tasks.values()]  # "city of bo": search "bo"
             asked = re.findall(r"<search> (\S+) </search>", agent.tok.decode(t.ids))
             wrong = next((i for i, (a, b) in enumerate(zip(asked, chain)) if a != b), None)
             key = ("right" if t.ok and toy_tools.answer_correct(q, t.result) else
@@ -76,15 +73,14 @@ def main(argv=None):
     args = mgrpo.parse_args(argv)
     mgrpo.transformers.utils.logging.disable_progress_bar()
     t0 = time.time()
+    steps = args.sft_steps if args.sft_steps >= 0 else 600
     if args.mode == "single-agent":
         agent = mgrpo.load_agent(args.main_model, args, seed=args.seed)
-        steps = args.sft_steps if args.sft_steps >= 0 else 600
         mgrpo.cold_start_all({"main": agent}, {"main": "single"}, {"main": steps}, args)
         print("single agent, greedy, 200 held-out questions per level:")
         return single_agent_misses(agent, args)
     agents = {"main": mgrpo.load_agent(args.main_model, args, seed=args.seed),
               "sub": mgrpo.load_agent(args.sub_model, args, seed=args.seed + 1)}
-    steps = args.sft_steps if args.sft_steps >= 0 else 600
     mgrpo.cold_start_all(agents, {"main": "main", "sub": "sub"}, {"main": steps, "sub": steps}, args)
     sub = agents["sub"]
     search = toy_tools.ToySearch()

@@ -44,7 +44,6 @@ def test_bad_options_fail_clearly(capsys):
         assert msg in capsys.readouterr().err
 
 
-
 def test_each_experiment_has_its_own_stage1_and_options_override_it():
     paper, single = compare.parse([]), compare.parse(["--experiment", "single"])
     assert (paper.sft_levels, paper.sft_steps, paper.stage1_steps, paper.stage1_levels) == ("1,2,2", 1200, 60, "1,2")
@@ -54,6 +53,7 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     assert (mine.sft_levels, mine.sft_steps, mine.stage1_steps, mine.stage1_levels) == ("3", 10, 5, "3")
     # level 3 trains with gradients clipped at 0.1 in both arms, level 2 at mgrpo.py's default
     assert "--grad-clip" in compare.EXPERIMENTS["single"][1] and "--grad-clip" not in compare.EXPERIMENTS["paper"][1]
+
 
 @pytest.mark.slow
 def test_quick_comparison_end_to_end(tmp_path, capsys):

@@ -1242,4 +1242,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    if os.environ.get("MGRPO_PARENT_PID", "").isdigit():  # set by scripts/compare.py: end with it, even if killed
+        exit_with_parent(int(os.environ["MGRPO_PARENT_PID"]))
     main()

@@ -117,7 +117,8 @@ def parse(argv=None):
 
 
 def run(name, argv, out, resume=False):
-    """One mgrpo.py run in <out>/<name>, in its own process with one thread; returns its summary.
+    """One mgrpo.py run in <out>/<name>, in its own process with one thread that ends if this script does
+    (killed, say); returns its summary.
 
     resume: a run that finished with the same options is reused, one that was cut off
     continues from its last checkpoint (mgrpo.py --resume)."""
@@ -144,7 +145,8 @@ def run(name, argv, out, resume=False):
     print(f"  start {name}", flush=True)
     with open(os.path.join(folder, "log.txt"), "a" if resume else "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                  "MGRPO_PARENT_PID": str(os.getpid())})  # a run ends with this script
     if rc != 0:
         with open(os.path.join(folder, "log.txt")) as f:
             tail = "".join(f.readlines()[-15:])

@@ -2,7 +2,10 @@
 very short version end to end."""
 import csv
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -100,3 +103,52 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
         assert (out / "paper" / "curves.png").stat().st_size > 1000 and "![curves](curves.png)" in md
     except ImportError:
         assert "no plot" in md
+
+
+
+def live_children(pid):
+    """Pids of the processes whose parent is `pid` and that have not ended, from /proc."""
+    kids = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the fields after the name
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        if state != "Z" and int(ppid) == pid:
+            kids.append(int(d))
+    return kids
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process table from /proc (Linux)")
+def test_runs_end_when_the_comparison_is_killed(tmp_path):
+    """A killed compare.py (SIGKILL: no handler can run) leaves no run training on by itself."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compare.py")
+    p = subprocess.Popen([sys.executable, script, "--quick", "--out", str(tmp_path / "cmp")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not live_children(p.pid) and time.time() < deadline:
+            time.sleep(0.2)
+        kids = live_children(p.pid)
+        assert kids, "compare.py started no run"
+        time.sleep(2)  # the runs are past their start
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.time() + 30
+    while any(map(alive, kids)) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [k for k in kids if alive(k)]
+    for k in left:  # a failure leaves nothing running behind it
+        os.kill(k, signal.SIGTERM)
+    assert not left, "a run outlived compare.py"

@@ -1004,13 +1004,14 @@ def cold_start_all(agents, kinds, steps, args, more=0):
     return losses
 
 
-def cold_start_checked(agents, kinds, steps, args, search, out):
+def cold_start_checked(agents, kinds, steps, args, search, out, done=0):
     """The cold start, then (--sft-until) its check: the system's greedy success on 256 held-out
     questions of each demo level, seeds that evaluations never use; below the bar, another round on
-    new demos, at most 3 more. The outcome goes to <out>/sft_check.json (and so into summary.json)."""
+    new demos, at most 3 more, each after a checkpoint (`done`: rounds a resumed run has behind it).
+    The outcome goes to <out>/sft_check.json (and so into summary.json)."""
     delegate = functools.partial(run_sub_agents, agents["sub"], args, search) if "sub" in agents else None
     check_levels = sorted(set(levels(args.sft_levels, args.level)))
-    for more in range(4 if args.sft_until else 1):
+    for more in range(done, 4 if args.sft_until else 1):
         t0 = time.time()
         losses = cold_start_all(agents, kinds, steps, args, more)
         print("cold start on noisy demos" + " (more)" * (more > 0) + ", final loss " + " ".join(
@@ -1024,6 +1025,8 @@ def cold_start_checked(agents, kinds, steps, args, search, out):
               + ("" if passed else ", below --sft-until" + ": going on" * (more < 3)), flush=True)
         if passed:
             break
+        if more < 3:  # a round of a small model's long demos can take most of an hour on a CPU
+            save_checkpoint(out, agents, 0, 0, sft_rounds=more + 1)
     with open(os.path.join(out, "sft_check.json"), "w") as f:
         json.dump({"passed": passed, "rounds": more + 1, "greedy": check}, f)
     if not passed:
@@ -1117,14 +1120,15 @@ def prepare(args, out, names, store):
     resumed = load_checkpoint(out, names, functools.partial(load_agent, args=args, seed=0), Traj) if args.resume \
         else None
     if resumed:
-        agents, start, n_lines = resumed
+        agents, start, n_lines, sft_done = resumed
         path = os.path.join(out, "metrics.jsonl")
         with open(path) as f:
             kept = f.readlines()[:n_lines]  # drop the lines of phases after the checkpoint
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)
         os.replace(path + ".tmp", path)  # atomically: a kill now leaves one whole file
-        print(f"resumed from {out} at schedule position {start}", flush=True)
+        print(f"resumed from {out} at schedule position {start}" + (
+            f", in the cold start after round {sft_done}" if sft_done is not None else ""), flush=True)
     else:
         if args.resume:
             print(f"no checkpoint in {out}: starting afresh", flush=True)
@@ -1137,7 +1141,7 @@ def prepare(args, out, names, store):
         open(os.path.join(out, "metrics.jsonl"), "w").close()
         if os.path.exists(os.path.join(out, "sft_check.json")):  # an earlier run's, in the same folder
             os.remove(os.path.join(out, "sft_check.json"))
-        start, n_lines = 0, 0
+        start, n_lines, sft_done = 0, 0, 0
     kinds, given = {"main": "single" if args.mode == "single-agent" else "main", "sub": "sub"}, {
         "main": args.main_model, "sub": args.sub_model}
     print(f"M-GRPO | role {args.role} | " + ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M "
@@ -1155,15 +1159,15 @@ def prepare(args, out, names, store):
               f"{args.sft_steps} cold-start steps") + f", {args.eval_questions} questions per evaluation, "
               f"{max_new(agents[names[0]], args)} new tokens per turn (--sft-steps, --eval-questions and "
               "--max-new-tokens change them)", flush=True)
-    if not resumed:
+    if sft_done is not None:  # a new run, or one cut off in its cold start
         sft = {n: args.sft_steps if args.sft_steps >= 0 else 0 if given[n] else 600 for n in names}
         if any(sft.values()):
-            cold_start_checked(agents, kinds, sft, args, search, out)
+            cold_start_checked(agents, kinds, sft, args, search, out, sft_done)
         save_checkpoint(out, agents, 0, 0)
     if args.kl_coef:  # the frozen reference: each agent as RL starts (after the cold start)
         for n, a in agents.items():
             path = os.path.join(out, "ref", n)
-            if not resumed:
+            if sft_done is not None:
                 a.model.save_pretrained(path)
             a.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if a.bf16 else torch.float32)
             a.ref.to(args.device).eval().requires_grad_(False)

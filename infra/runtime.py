@@ -32,15 +32,16 @@ def checkpoints(out):
     return [os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d{8}", n)]
 
 
-def save_checkpoint(out, agents, index, n_metrics):
+def save_checkpoint(out, agents, index, n_metrics, sft_rounds=None):
     """<out>/ckpt-<index>: weights, tokenizers, optimizer and RNG states, the unsync batch and the place
     in the schedule, in a state.pt that loads with weights_only=True. Written to a temporary folder and
-    renamed, so that a kill at any moment leaves the earlier ones whole; the last two are kept."""
+    renamed, so that a kill at any moment leaves the earlier ones whole; the last two are kept.
+    sft_rounds: saved within the cold start, after that many rounds (None: the cold start is over)."""
     tmp = os.path.join(out, f"ckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
     for name, a in agents.items():
         a.model.save_pretrained(os.path.join(tmp, name))
         a.tok.save_pretrained(os.path.join(tmp, name))
-    torch.save({"index": index, "metrics_lines": n_metrics, "opt": {n: a.opt.state_dict() for n, a in agents.items()},
+    torch.save({"index": index, "metrics_lines": n_metrics, "sft_rounds": sft_rounds, "opt": {n: a.opt.state_dict() for n, a in agents.items()},
                 "pending": {n: ([dataclasses.asdict(t) for t in a.pending[0]], a.pending[1].tolist())
                             for n, a in agents.items() if a.pending},
                 "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -53,7 +54,8 @@ def save_checkpoint(out, agents, index, n_metrics):
 
 
 def load_checkpoint(out, names, load_agent, traj_class):
-    """(agents, schedule position, metrics lines) from the newest readable checkpoint in <out>, or None.
+    """(agents, schedule position, metrics lines, cold-start rounds done or None when it is over) from the
+    newest readable checkpoint in <out>, or None.
     load_agent(path) builds an agent from a saved folder; traj_class rebuilds the pending unsync batch."""
     for path in reversed(checkpoints(out)):
         try:
@@ -68,7 +70,8 @@ def load_checkpoint(out, names, load_agent, traj_class):
             torch.set_rng_state(state["rng"]["torch"])
             if state["rng"]["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-            return agents, int(state["index"]), int(state["metrics_lines"])
+            rounds = state.get("sft_rounds")
+            return agents, int(state["index"]), int(state["metrics_lines"]), None if rounds is None else int(rounds)
         except Exception as e:  # noqa: BLE001  (a broken checkpoint of any kind: try the one before)
             print(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {e}); trying the one before", flush=True)
     return None

@@ -196,7 +196,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
     before, latest = checkpoints(str(out))
     with open(os.path.join(latest, "state.pt"), "wb") as f:
         f.write(b"\x00 not a checkpoint")
-    agents, index, lines = load_checkpoint(str(out), ["main", "sub"], load_short, mgrpo.Traj)
+    agents, index, lines, _ = load_checkpoint(str(out), ["main", "sub"], load_short, mgrpo.Traj)
     assert "cannot be loaded" in capsys.readouterr().out
     assert index == int(os.path.basename(before)[5:]) and set(agents) == {"main", "sub"}
 
@@ -204,7 +204,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
 def test_a_killed_save_leaves_nothing_that_breaks_later_saves(tmp_path, monkeypatch):
     out = tmp_path / "run"
     mgrpo.main(SHORT + ["--out", str(out)])
-    agents, index, lines = load_checkpoint(str(out), ["main", "sub"], load_short, mgrpo.Traj)
+    agents, index, lines, _ = load_checkpoint(str(out), ["main", "sub"], load_short, mgrpo.Traj)
     real = torch.save
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):  # killed midway: weights written, state not

@@ -113,6 +113,34 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off")])  # a fresh run: not its check
 
 
+def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_path, capsys, monkeypatch):
+    """Each round of the cold start ends in a checkpoint: a run killed in round 3 resumes after round 2
+    and ends with the weights and check of a run never killed (and with its RNG state: two RL steps)."""
+    monkeypatch.setattr(mgrpo, "evaluate", lambda *a, **k: 0.0)  # the check never passes: four rounds
+    base = ["--steps", "2", "--sft-steps", "5", "--sft-batch", "4", "--model-size", "0.1M", "--sft-levels", "1,2",
+            "--eval-every", "0", "--questions-per-step", "2", "--group-size", "2", "--sft-until", "0.9"]
+    whole = mgrpo.main(base + ["--out", str(tmp_path / "whole")])
+    real, rounds, kill = mgrpo.cold_start_all, [], [True]
+
+    def killed_once_in_round_3(agents, kinds, steps, args, more=0):
+        rounds.append(more)
+        if more == 2 and kill and kill.pop():
+            raise KeyboardInterrupt
+        return real(agents, kinds, steps, args, more)
+    monkeypatch.setattr(mgrpo, "cold_start_all", killed_once_in_round_3)
+    with pytest.raises(KeyboardInterrupt):
+        mgrpo.main(base + ["--out", str(tmp_path / "cut")])
+    assert rounds == [0, 1, 2]
+    capsys.readouterr()
+    resumed = mgrpo.main(base + ["--out", str(tmp_path / "cut"), "--resume"])
+    assert rounds == [0, 1, 2, 2, 3] and "in the cold start after round 2" in capsys.readouterr().out
+    assert resumed["sft_check"] == whole["sft_check"] == {"passed": False, "rounds": 4, "greedy": {"1": 0.0, "2": 0.0}}
+    assert metrics(tmp_path / "cut") == metrics(tmp_path / "whole")
+    for n in ("main", "sub"):
+        a, b = (mgrpo.AutoModelForCausalLM.from_pretrained(tmp_path / run / n).state_dict() for run in ("whole", "cut"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_dir):
     """The single-agent baseline searches for itself: each search's eight level-2 snippets
     enter its own context with mask 0 (the cold-started sub-agent stands in: it searches)."""

@@ -41,6 +41,7 @@ import multiprocessing
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -53,8 +54,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import toy_tools
-from infra.runtime import (GraphDecoder, exit_with_parent, load_checkpoint, memory_estimate, plot_curves,
-                           progress_line, save_checkpoint)
+from infra.runtime import (GraphDecoder, checkpoints, exit_with_parent, load_checkpoint, memory_estimate,
+                           plot_curves, progress_line, save_checkpoint)
 from infra.store import FileStore, StoreError
 
 
@@ -1011,6 +1012,8 @@ def cold_start_checked(agents, kinds, steps, args, search, out, done=0):
     The outcome goes to <out>/sft_check.json (and so into summary.json)."""
     delegate = functools.partial(run_sub_agents, agents["sub"], args, search) if "sub" in agents else None
     check_levels = sorted(set(levels(args.sft_levels, args.level)))
+    if done and not args.sft_until:  # resumed without --sft-until: the rounds behind it are the cold start
+        return
     for more in range(done, 4 if args.sft_until else 1):
         t0 = time.time()
         losses = cold_start_all(agents, kinds, steps, args, more)
@@ -1139,7 +1142,9 @@ def prepare(args, out, names, store):
         with open(os.path.join(out, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=1)
         open(os.path.join(out, "metrics.jsonl"), "w").close()
-        if os.path.exists(os.path.join(out, "sft_check.json")):  # an earlier run's, in the same folder
+        for path in checkpoints(out) + [os.path.join(out, "ref")]:  # an earlier run's, in the same folder
+            shutil.rmtree(path, ignore_errors=True)
+        if os.path.exists(os.path.join(out, "sft_check.json")):
             os.remove(os.path.join(out, "sft_check.json"))
         start, n_lines, sft_done = 0, 0, 0
     kinds, given = {"main": "single" if args.mode == "single-agent" else "main", "sub": "sub"}, {
@@ -1163,12 +1168,13 @@ def prepare(args, out, names, store):
         sft = {n: args.sft_steps if args.sft_steps >= 0 else 0 if given[n] else 600 for n in names}
         if any(sft.values()):
             cold_start_checked(agents, kinds, sft, args, search, out, sft_done)
+        if args.kl_coef:  # the frozen reference: each agent as RL starts, saved before the checkpoint that
+            for n, a in agents.items():  # ends the cold start, so that a resumed run always finds it
+                a.model.save_pretrained(os.path.join(out, "ref", n))
         save_checkpoint(out, agents, 0, 0)
-    if args.kl_coef:  # the frozen reference: each agent as RL starts (after the cold start)
+    if args.kl_coef:
         for n, a in agents.items():
             path = os.path.join(out, "ref", n)
-            if sft_done is not None:
-                a.model.save_pretrained(path)
             a.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if a.bf16 else torch.float32)
             a.ref.to(args.device).eval().requires_grad_(False)
     return agents, start, n_lines, search
@@ -1246,6 +1252,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if os.environ.get("MGRPO_PARENT_PID", "").isdigit():  # set by scripts/compare.py: end with it, even if killed
-        exit_with_parent(int(os.environ["MGRPO_PARENT_PID"]))
+    parent = os.environ.pop("MGRPO_PARENT_PID", "")  # set by scripts/compare.py: end with it, even if killed
+    if re.fullmatch(r"[1-9][0-9]*", parent):
+        exit_with_parent(int(parent))
     main()

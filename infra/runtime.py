@@ -8,6 +8,7 @@ import random
 import re
 import secrets
 import shutil
+import sys
 import threading
 import time
 
@@ -22,6 +23,7 @@ def exit_with_parent(parent):
     def watch():
         while os.getppid() == parent:
             time.sleep(0.5)
+        print(f"the process that started this one ({parent}) is gone: exiting", file=sys.stderr, flush=True)
         os._exit(1)
     threading.Thread(target=watch, daemon=True).start()
 
@@ -41,14 +43,17 @@ def save_checkpoint(out, agents, index, n_metrics, sft_rounds=None):
     for name, a in agents.items():
         a.model.save_pretrained(os.path.join(tmp, name))
         a.tok.save_pretrained(os.path.join(tmp, name))
-    torch.save({"index": index, "metrics_lines": n_metrics, "sft_rounds": sft_rounds, "opt": {n: a.opt.state_dict() for n, a in agents.items()},
+    torch.save({"index": index, "metrics_lines": n_metrics, "sft_rounds": sft_rounds,
+                "opt": {n: a.opt.state_dict() for n, a in agents.items()},
                 "pending": {n: ([dataclasses.asdict(t) for t in a.pending[0]], a.pending[1].tolist())
                             for n, a in agents.items() if a.pending},
                 "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}},
                os.path.join(tmp, "state.pt"))
-    shutil.rmtree(os.path.join(out, f"ckpt-{index:08d}"), ignore_errors=True)  # one from before a crash and --resume
-    os.replace(tmp, os.path.join(out, f"ckpt-{index:08d}"))
+    final = os.path.join(out, f"ckpt-{index:08d}")
+    if os.path.exists(final):  # a cold-start round's, or one from before a crash and --resume: set aside, not
+        os.replace(final, tmp + "-old")  # deleted, so that only the instant between two renames has none
+    os.replace(tmp, final)
     for path in checkpoints(out)[:-2] + [os.path.join(out, n) for n in os.listdir(out) if n.startswith("ckpt-tmp-")]:
         shutil.rmtree(path, ignore_errors=True)  # older ones, and what saves killed midway left
 

@@ -135,17 +135,17 @@ def test_runs_end_when_the_comparison_is_killed(tmp_path):
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compare.py")
     p = subprocess.Popen([sys.executable, script, "--quick", "--out", str(tmp_path / "cmp")],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "cmp" / "stage1-levels122-seed1-system" / "log.txt"
     try:
         deadline = time.time() + 120
-        while not live_children(p.pid) and time.time() < deadline:
-            time.sleep(0.2)
+        while not (log.exists() and "M-GRPO |" in log.read_text()) and time.time() < deadline:
+            time.sleep(0.2)  # until a run is past its imports, into its cold start
         kids = live_children(p.pid)
         assert kids, "compare.py started no run"
-        time.sleep(2)  # the runs are past their start
     finally:
         p.kill()
         p.wait()
-    deadline = time.time() + 30
+    deadline = time.time() + 10  # a run looks for its parent twice a second
     while any(map(alive, kids)) and time.time() < deadline:
         time.sleep(0.2)
     left = [k for k in kids if alive(k)]

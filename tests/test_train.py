@@ -3,6 +3,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -113,6 +114,7 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off")])  # a fresh run: not its check
 
 
+@pytest.mark.slow
 def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_path, capsys, monkeypatch):
     """Each round of the cold start ends in a checkpoint: a run killed in round 3 resumes after round 2
     and ends with the weights and check of a run never killed (and with its RNG state: two RL steps)."""
@@ -131,6 +133,7 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         mgrpo.main(base + ["--out", str(tmp_path / "cut")])
     assert rounds == [0, 1, 2]
+    shutil.copytree(tmp_path / "cut", tmp_path / "cut-then-no-check")
     capsys.readouterr()
     resumed = mgrpo.main(base + ["--out", str(tmp_path / "cut"), "--resume"])
     assert rounds == [0, 1, 2, 2, 3] and "in the cold start after round 2" in capsys.readouterr().out
@@ -139,6 +142,23 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
     for n in ("main", "sub"):
         a, b = (mgrpo.AutoModelForCausalLM.from_pretrained(tmp_path / run / n).state_dict() for run in ("whole", "cut"))
         assert all(torch.equal(a[k], b[k]) for k in a)
+    # resumed without --sft-until: the two rounds behind it are its cold start
+    rounds.clear()
+    assert "sft_check" not in mgrpo.main(base[:-2] + ["--out", str(tmp_path / "cut-then-no-check"), "--resume"])
+    assert rounds == []
+
+
+@pytest.mark.slow
+def test_a_fresh_run_in_a_used_folder_keeps_its_own_checkpoints(tmp_path):
+    """Without --resume, an earlier run's checkpoints in the folder go: the fresh run's are never pruned
+    as older than them (a later --resume would continue the earlier run)."""
+    base = ["--sft-steps", "2", "--sft-batch", "4", "--model-size", "0.1M", "--eval-every", "0",
+            "--questions-per-step", "2", "--group-size", "2"]
+    mgrpo.main(base + ["--steps", "4", "--out", str(tmp_path / "used")])
+    for folder in ("used", "empty"):
+        mgrpo.main(base + ["--steps", "1", "--out", str(tmp_path / folder)])
+    names = [[os.path.basename(p) for p in checkpoints(str(tmp_path / f))] for f in ("used", "empty")]
+    assert names[0] == names[1] and len(names[0]) == 2
 
 
 def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_dir):

@@ -1010,10 +1010,10 @@ def cold_start_checked(agents, kinds, steps, args, search, out, done=0):
     questions of each demo level, seeds that evaluations never use; below the bar, another round on
     new demos, at most 3 more, each after a checkpoint (`done`: rounds a resumed run has behind it).
     The outcome goes to <out>/sft_check.json (and so into summary.json)."""
-    delegate = functools.partial(run_sub_agents, agents["sub"], args, search) if "sub" in agents else None
-    check_levels = sorted(set(levels(args.sft_levels, args.level)))
     if done and not args.sft_until:  # resumed without --sft-until: the rounds behind it are the cold start
         return
+    delegate = functools.partial(run_sub_agents, agents["sub"], args, search) if "sub" in agents else None
+    check_levels = sorted(set(levels(args.sft_levels, args.level)))
     for more in range(done, 4 if args.sft_until else 1):
         t0 = time.time()
         losses = cold_start_all(agents, kinds, steps, args, more)

@@ -105,27 +105,24 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
         assert "no plot" in md
 
 
-
-def live_children(pid):
-    """Pids of the processes whose parent is `pid` and that have not ended, from /proc."""
-    kids = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the fields after the name
-        except (OSError, ValueError):
-            continue  # ended meanwhile
-        if state != "Z" and int(ppid) == pid:
-            kids.append(int(d))
-    return kids
+def proc_stat(pid):
+    """(state, parent pid) of a process from /proc, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the fields after the name
+        return state, int(ppid)
+    except (OSError, ValueError):
+        return None
 
 
 def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def live_children(pid):
+    stats = {int(d): proc_stat(d) for d in os.listdir("/proc") if d.isdigit()}
+    return [k for k, s in stats.items() if s is not None and s[0] != "Z" and s[1] == pid]
 
 
 @pytest.mark.slow

@@ -17,8 +17,9 @@ What the algorithm really is, per training step:
   6. Each agent takes its own clipped policy-gradient step (eq. 14-19): token-level ratio, asymmetric
      clip, no KL, no entropy bonus. With one epoch per batch (the default) the ratio is 1: REINFORCE with
      a per-agent group baseline (S under --unsync excepted).
-  7. M's side hands S's side a few statistics per rollout through a file store (the paper's Fig. 3); no
-     gradient and no tensor crosses between the agents.
+  7. M's side hands S's side a few statistics per rollout (the paper's Fig. 3): in memory when one process
+     holds both agents, through a file store with --role main / sub; no gradient and no tensor crosses
+     between the agents.
 
 The default run needs no download: two tiny Llama-style models with a word-level tokenizer, built in
 code and first taught the answer format by a short supervised cold start on noisy scripted demos (the

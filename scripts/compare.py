@@ -19,11 +19,17 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
   unsync   level 2 with S moving fast (its learning rate 1e-3, 3.3 times M's): co-train against unsync
   single   level 3 (4 hops, 12 noisy snippets), where a single agent's context grows to about
            230 tokens while M's stays near 50: co-train against single-agent. Its stage 1 is the
-           cold start alone, and both arms clip gradients at 0.1 (see EXPERIMENTS)
+           cold start alone, and both arms clip gradients at 0.1 (the README says why)
 
-    python scripts/compare.py                       # 'paper': 3 stage 1s x 3 seeds x 2 arms
-    python scripts/compare.py --experiment unsync --out runs/compare --resume  # stage 1s reused
+    python scripts/compare.py --out runs/compare    # 'paper': 3 stage 1s x 3 seeds x 2 arms
+    python scripts/compare.py --experiment unsync --out runs/compare --resume --stage2-steps 100
+    python scripts/compare.py --experiment single --out runs/compare --resume
     python scripts/compare.py --quick               # a very short version, to check the pipeline
+
+On 2 CPU cores 'paper' took 35 min; 'unsync', reusing its stage 1s, 16 min; 'single' takes
+hours, almost all of it the single agent's stage 1 (four cold-start rounds of 2400 steps on
+contexts of about 230 tokens, near two hours each). --resume continues a comparison that was
+cut off, after its last finished run or cold-start round.
 
 The report gives each arm's final success over all runs and per stage 1, and the paired
 difference (first arm - second arm, same stage 1 and seed) with a 95% bootstrap interval that
@@ -61,8 +67,9 @@ STAGE1 = {"sft_steps": 1200, "stage1_steps": 60}  # stage 1's defaults where an 
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass  # the docstring as written (arms, experiments, examples), and every default
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--experiment", default="paper", choices=list(EXPERIMENTS), help="setting and arms, see above")
     p.add_argument("--arms", nargs="+", default=None, choices=list(ARMS), metavar="ARM",
                    help=f"arms to run, of {list(ARMS)}; default: the experiment's two")
@@ -166,8 +173,9 @@ def curve(folder):
 
 
 def sub_movement(folder):
-    """S's mean approximate KL (sampling policy -> trained policy, per token) and clipped share of
-    tokens over a run's steps: how far S moves per update, and how much of it the clip absorbs."""
+    """S's mean approximate KL (sampling policy -> the policy it updates, per token) and clipped share
+    of tokens over a run's steps: about 0 on-policy; one step behind (unsync), how far one update
+    moved S, and how much of that the clip absorbs."""
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if "approx_kl_sub" in r]
     if not rows:  # S does not train (main-only) or does not exist (single-agent)
@@ -323,7 +331,8 @@ def main(argv=None):
         return np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)][key]])
     moved = [arm for arm in a.arms if arm in ("co-train", "co-train unsync")]  # the arms in which S trains
     if moved:
-        text.append("S's movement per update, mean over steps and runs: " + "; ".join(
+        text.append("S's sampling policy against the one it updates, mean over steps and runs (about 0 "
+                    "on-policy; one step behind, one update's movement): " + "; ".join(
             f"{arm}: approximate KL {run_mean(arm, 'kl_sub'):.1e} per token, clipped "
             f"{100 * run_mean(arm, 'clip_sub'):.2f}% of tokens" for arm in moved) + ".")
     title = f"'{a.experiment}': {len(a.seeds)} seeds per stage 1, mean and min-max"

@@ -10,9 +10,9 @@ for each failure the first search that asks for a wrong entity (the hop before w
 The README's and tutorial's stage-1 figures come from it:
 
     python scripts/sub_probe.py --sft-levels 1,2,2,3
-    python scripts/sub_probe.py --main-model runs/compare/stage1-seed2-system/main \
-        --sub-model runs/compare/stage1-seed2-system/sub --sft-steps 0
-    python scripts/sub_probe.py --mode single-agent --main-model <stage 1>/main --sft-steps 0
+    python scripts/sub_probe.py --main-model runs/compare/stage1-levels122-seed2-system/main \
+        --sub-model runs/compare/stage1-levels122-seed2-system/sub
+    python scripts/sub_probe.py --mode single-agent --main-model <stage 1>/main
     python scripts/sub_probe.py --help     # any mgrpo.py option
 """
 import os
@@ -73,20 +73,22 @@ def main(argv=None):
     args = mgrpo.parse_args(argv)
     mgrpo.transformers.utils.logging.disable_progress_bar()
     t0 = time.time()
-    steps = args.sft_steps if args.sft_steps >= 0 else 600
+    # as mgrpo.py: --sft-steps -1 is 600 for a model built here, none for one given by name or path
+    steps = {n: args.sft_steps if args.sft_steps >= 0 else 0 if path else 600
+             for n, path in (("main", args.main_model), ("sub", args.sub_model))}
     if args.mode == "single-agent":
         agent = mgrpo.load_agent(args.main_model, args, seed=args.seed)
-        mgrpo.cold_start_all({"main": agent}, {"main": "single"}, {"main": steps}, args)
+        mgrpo.cold_start_all({"main": agent}, {"main": "single"}, {"main": steps["main"]}, args)
         print("single agent, greedy, 200 held-out questions per level:")
         return single_agent_misses(agent, args)
     agents = {"main": mgrpo.load_agent(args.main_model, args, seed=args.seed),
               "sub": mgrpo.load_agent(args.sub_model, args, seed=args.seed + 1)}
-    mgrpo.cold_start_all(agents, {"main": "main", "sub": "sub"}, {"main": steps, "sub": steps}, args)
+    mgrpo.cold_start_all(agents, {"main": "main", "sub": "sub"}, steps, args)
     sub = agents["sub"]
     search = toy_tools.ToySearch()
     what = [f"from {args.main_model or 'a new model'} and {args.sub_model or 'a new model'}"]
-    if steps:
-        what.append(f"after {steps} cold-start steps (levels {args.sft_levels or args.level}, "
+    if any(steps.values()):
+        what.append(f"after {' / '.join(map(str, steps.values()))} cold-start steps (main / sub; levels {args.sft_levels or args.level}, "
                     f"lr {args.sft_lr}, seed {args.seed})")
     print(f"agents {' '.join(what)}, {time.time() - t0:.0f}s\nsub-agent, expert score greedy / sampled:")
     for level in sorted(toy_tools.N_SNIPPETS):

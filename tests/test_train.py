@@ -279,6 +279,28 @@ def test_sub_probe_script_runs():
         assert set(kinds) <= {"right", "other"} | {f"search {i} asks for a wrong entity" for i in range(1, level + 2)}
 
 
+def test_sub_probe_gives_a_given_model_no_cold_start_unless_asked(tmp_path, monkeypatch):
+    """sub_probe reads --sft-steps as mgrpo.py does: -1 trains a model built here 600 steps and a
+    stage 1 given by path none, so probing a checkpoint never changes it first."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import sub_probe
+    agent = mgrpo.load_agent("", mgrpo.parse_args([]), seed=0)
+    agent.model.save_pretrained(tmp_path / "main")
+    agent.tok.save_pretrained(tmp_path / "main")
+    asked = []
+
+    def stop(agents, kinds, steps, args, more=0):
+        asked.append(dict(steps))
+        raise KeyboardInterrupt  # what follows the cold start is not under test here
+
+    monkeypatch.setattr(mgrpo, "cold_start_all", stop)
+    for argv in (["--main-model", str(tmp_path / "main")], ["--main-model", str(tmp_path / "main"), "--sft-steps", "7"],
+                 ["--mode", "single-agent", "--main-model", str(tmp_path / "main")]):
+        with pytest.raises(KeyboardInterrupt):
+            sub_probe.main(argv)
+    assert asked == [{"main": 0, "sub": 600}, {"main": 7, "sub": 7}, {"main": 0}]
+
+
 def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, monkeypatch):
     """--dtype bfloat16 (autocast), gradient checkpointing, micro-batches and the KL to a
     frozen reference together; a crash in step 3, then a resume that must find the same reference."""

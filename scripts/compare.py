@@ -26,10 +26,12 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
     python scripts/compare.py --experiment single --out runs/compare --resume
     python scripts/compare.py --quick               # a very short version, to check the pipeline
 
-On 2 CPU cores 'paper' took 35 min; 'unsync', reusing its stage 1s, 16 min; 'single' takes
-hours, almost all of it the single agent's stage 1 (four cold-start rounds of 2400 steps on
-contexts of about 230 tokens, near two hours each). --resume continues a comparison that was
-cut off, after its last finished run or cold-start round.
+On 2 CPU cores 'paper' took 35 min and 'unsync', reusing its stage 1s, 16 min. 'single' is
+ruled by the single agent's stage 1, 2400 cold-start steps on contexts of about 230 tokens per
+round: about 21 min where the check passes after one round, 85 min or more where it takes all
+four (it did in 3 of 5 stage 1s), so one stage 1 with its six stage-2 runs takes 35 min to two
+hours. --resume continues a comparison that was cut off, after its last finished run or
+cold-start round.
 
 The report gives each arm's final success over all runs and per stage 1, and the paired
 difference (first arm - second arm, same stage 1 and seed) with a 95% bootstrap interval that

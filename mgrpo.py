@@ -972,6 +972,12 @@ def cold_start(agent, kind, args, seed, steps=None):
     return loss.item()
 
 
+def cold_start_steps(args, models):
+    """Cold-start steps per agent, {name: model name or path ('' for one built here)}: --sft-steps, or
+    with -1, 600 for a model built here and none for one given, which has learned its format already."""
+    return {n: args.sft_steps if args.sft_steps >= 0 else 0 if path else 600 for n, path in models.items()}
+
+
 def cold_start_job(path, kind, args, seed, steps, parent):
     """A cold start in a process of its own: the agent saved at `path`, trained with one thread, saved
     back; it ends when the process `parent` does."""
@@ -1166,7 +1172,7 @@ def prepare(args, out, names, store):
               f"{max_new(agents[names[0]], args)} new tokens per turn (--sft-steps, --eval-questions and "
               "--max-new-tokens change them)", flush=True)
     if sft_done is not None:  # a new run, or one cut off in its cold start
-        sft = {n: args.sft_steps if args.sft_steps >= 0 else 0 if given[n] else 600 for n in names}
+        sft = cold_start_steps(args, {n: given[n] for n in names})
         if any(sft.values()):
             cold_start_checked(agents, kinds, sft, args, search, out, sft_done)
         if args.kl_coef:  # the frozen reference: each agent as RL starts, saved before the checkpoint that

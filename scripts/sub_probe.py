@@ -73,9 +73,7 @@ def main(argv=None):
     args = mgrpo.parse_args(argv)
     mgrpo.transformers.utils.logging.disable_progress_bar()
     t0 = time.time()
-    # as mgrpo.py: --sft-steps -1 is 600 for a model built here, none for one given by name or path
-    steps = {n: args.sft_steps if args.sft_steps >= 0 else 0 if path else 600
-             for n, path in (("main", args.main_model), ("sub", args.sub_model))}
+    steps = mgrpo.cold_start_steps(args, {"main": args.main_model, "sub": args.sub_model})
     if args.mode == "single-agent":
         agent = mgrpo.load_agent(args.main_model, args, seed=args.seed)
         mgrpo.cold_start_all({"main": agent}, {"main": "single"}, {"main": steps["main"]}, args)
@@ -88,8 +86,8 @@ def main(argv=None):
     search = toy_tools.ToySearch()
     what = [f"from {args.main_model or 'a new model'} and {args.sub_model or 'a new model'}"]
     if any(steps.values()):
-        what.append(f"after {' / '.join(map(str, steps.values()))} cold-start steps (main / sub; levels {args.sft_levels or args.level}, "
-                    f"lr {args.sft_lr}, seed {args.seed})")
+        what.append(f"after {' / '.join(map(str, steps.values()))} cold-start steps (main / sub; levels "
+                    f"{args.sft_levels or args.level}, lr {args.sft_lr}, seed {args.seed})")
     print(f"agents {' '.join(what)}, {time.time() - t0:.0f}s\nsub-agent, expert score greedy / sampled:")
     for level in sorted(toy_tools.N_SNIPPETS):
         qs, tasks = sub_tasks(level)

@@ -20,11 +20,13 @@ import numpy as np  # noqa: E402
 
 import mgrpo  # noqa: E402
 import toy_tools  # noqa: E402
+from agents import SIZES, load_agent  # noqa: E402
+from cold_start import cold_start  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", nargs="+", default=["0.1M", "0.2M", "1M", "4M"], choices=list(mgrpo.SIZES))
+    p.add_argument("--sizes", nargs="+", default=["0.1M", "0.2M", "1M", "4M"], choices=list(SIZES))
     p.add_argument("--steps", type=int, default=10, help="timed M-GRPO steps per size (after 2 warm-up steps)")
     p.add_argument("--sft-steps", type=int, default=300, help="cold-start steps before timing")
     p.add_argument("--device", default="cpu")
@@ -34,11 +36,11 @@ def main():
           f"{'gen tok/s':>9} {'train tok/s':>11} | {'rollouts':>8} {'sub calls':>9} | {'peak RSS so far':>16}")
     for size in b.sizes:
         args = mgrpo.parse_args(["--model-size", size, "--sft-steps", str(b.sft_steps), "--device", b.device])
-        main_a, sub_a = mgrpo.load_agent("", args, 0), mgrpo.load_agent("", args, 1)
-        mgrpo.cold_start(main_a, "main", args, 0)
-        mgrpo.cold_start(sub_a, "sub", args, 1)
+        main_a, sub_a = load_agent("", args, toy_tools, 0), load_agent("", args, toy_tools, 1)
+        cold_start(main_a, "main", args, toy_tools, 0, b.sft_steps)
+        cold_start(sub_a, "sub", args, toy_tools, 1, b.sft_steps)
         delegate = functools.partial(mgrpo.run_sub_agents, sub_a, args, search)
-        recs = [mgrpo.train_step(main_a, sub_a, s, args, delegate, search) for s in range(b.steps + 2)][2:]
+        recs = [mgrpo.train_step(main_a, sub_a, s, args, toy_tools, delegate, search) for s in range(b.steps + 2)][2:]
         m = {k: float(np.mean([r[k] for r in recs])) for k in
              ("t_gen", "t_fwd", "t_bwd", "t_step", "gen_tokens_per_s", "train_tokens_per_s", "sub_calls")}
         n = sum(p.numel() for p in main_a.model.parameters())

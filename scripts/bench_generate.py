@@ -35,6 +35,9 @@ import transformers  # noqa: E402
 
 import mgrpo  # noqa: E402
 import toy_tools  # noqa: E402
+from agents import SIZES, load_agent  # noqa: E402
+from cold_start import cold_start  # noqa: E402
+from sampling import forward_last, sample_token  # noqa: E402
 
 
 class StepLogprobs(transformers.LogitsProcessor):
@@ -80,16 +83,16 @@ def keep_rows_generate(agent, contexts, max_new_tokens, seed, greedy=False):
     cache, next_pos = transformers.DynamicCache(config=model.config), attn.sum(-1, keepdim=True)
     running, out = torch.ones(B, dtype=torch.bool, device=dev), []
     with agent.autocast():
-        logits = mgrpo.forward_last(model, ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), cache)
+        logits = forward_last(model, ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), cache)
     for t in range(max_new_tokens):
-        tok, lp = mgrpo.sample_token(logits, suppress, gen, greedy)
+        tok, lp = sample_token(logits, suppress, gen, greedy)
         out.append((tok, lp))
         running &= ~torch.isin(tok, stop)
         if t == max_new_tokens - 1 or not running.any():
             break
         attn = torch.cat([attn, attn.new_ones(B, 1)], 1)
         with agent.autocast():
-            logits = mgrpo.forward_last(model, tok[:, None], attn, next_pos + t, cache)
+            logits = forward_last(model, tok[:, None], attn, next_pos + t, cache)
     torch.stack([lp for _, lp in out], 1).tolist()
     return [(row, None, None) for row in torch.stack([t for t, _ in out], 1).tolist()]
 
@@ -106,11 +109,11 @@ def record(b, folder):
             "--max-new-tokens", str(b.max_new_tokens)] + (["--chat", "--sft-batch", "16"] if b.chat else [])
     args = mgrpo.parse_args(argv)
     search = toy_tools.ToySearch()
-    agents = {name: mgrpo.load_agent(os.path.join(b.models, name) if b.models else "", args, seed)
+    agents = {name: load_agent(os.path.join(b.models, name) if b.models else "", args, toy_tools, seed)
               for name, seed in (("main", 1), ("sub", 2))}
     for name, agent in agents.items():
         if not b.models:
-            mgrpo.cold_start(agent, name, args, 0)
+            cold_start(agent, name, args, toy_tools, 0, b.sft_steps)
         agent.model.save_pretrained(os.path.join(folder, name))
         agent.tok.save_pretrained(os.path.join(folder, name))
     calls, real = [], mgrpo.generate
@@ -121,7 +124,7 @@ def record(b, folder):
     mgrpo.generate = recording
     delegate = functools.partial(mgrpo.run_sub_agents, agents["sub"], args, search)
     for step in range(b.steps):
-        mgrpo.train_step(agents["main"], agents["sub"], step, args, delegate, search)
+        mgrpo.train_step(agents["main"], agents["sub"], step, args, toy_tools, delegate, search)
     mgrpo.generate = real
     with open(os.path.join(folder, "calls.json"), "w") as f:
         json.dump(calls, f)
@@ -132,7 +135,7 @@ def replay(b, folder, method):
     """Time one sampler on every recorded call; print one JSON line of figures."""
     args = mgrpo.parse_args(["--device", b.device] + (["--dtype", "bfloat16"] if b.bf16 else [])
                             + ([] if method == "graphs" else ["--no-cuda-graphs"]))
-    agents = {n: mgrpo.load_agent(os.path.join(folder, n), args, 0) for n in ("main", "sub")}
+    agents = {n: load_agent(os.path.join(folder, n), args, toy_tools) for n in ("main", "sub")}
     with open(os.path.join(folder, "calls.json")) as f:
         calls = json.load(f)
     fn = {"hf": hf_generate, "mgrpo": mgrpo.generate, "mgrpo-keep": keep_rows_generate,
@@ -165,7 +168,7 @@ def replay(b, folder, method):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model-size", default="0.2M", choices=list(mgrpo.SIZES))
+    p.add_argument("--model-size", default="0.2M", choices=list(SIZES))
     p.add_argument("--chat", action="store_true", help="chat models (Qwen2, byte-level BPE), long contexts")
     p.add_argument("--steps", type=int, default=3, help="M-GRPO steps whose generate calls are recorded")
     p.add_argument("--sft-steps", type=int, default=300, help="cold-start steps before recording")

@@ -25,8 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+import agents  # noqa: E402
 import mgrpo  # noqa: E402
 import toy_tools  # noqa: E402
+from agents import Traj  # noqa: E402
 
 PROMPTS = ["country of ada ?", "country of bo ?", "city of cy", "friend of dex", "country of avon",
            "city of eli", "friend of fay", "country of friend of gus ?"]
@@ -43,13 +45,13 @@ def build(size, tok):
     cfg = transformers.Qwen2Config(vocab_size=len(tok), tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
                                    eos_token_id=tok.eos_token_id, bos_token_id=None, max_position_embeddings=256,
                                    **dict(zip(("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                               "num_key_value_heads", "intermediate_size"), mgrpo.SIZES[size])))
+                                               "num_key_value_heads", "intermediate_size"), agents.SIZES[size])))
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
 def time_mgrpo(model, tok, steps, lr, new_tokens):
     args = mgrpo.parse_args(["--lr", str(lr), "--grad-clip", "1.0"])
-    agent = mgrpo.Agent(model, tok, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98),
+    agent = agents.Agent(model, tok, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98),
                                                       weight_decay=args.weight_decay),
                         stop_ids=(tok.eos_token_id,), suppress=(tok.pad_token_id, tok.unk_token_id),
                         pad_id=tok.pad_token_id)
@@ -60,7 +62,7 @@ def time_mgrpo(model, tok, steps, lr, new_tokens):
         outs = mgrpo.generate(agent, contexts, new_tokens, seed=step)
         r = reward([tok.decode(new) for new, _, _ in outs])
         adv = mgrpo.group_advantages(torch.tensor(r).view(len(PROMPTS), 8)).view(-1)
-        trajs = [mgrpo.Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp)
+        trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp)
                  for c, (new, lp, _) in zip(contexts, outs)]
         mgrpo.update_agent(agent, trajs, adv, args)
         times.append(time.perf_counter() - t0)
@@ -114,7 +116,7 @@ def main():
               "  pip install torch==2.13.0 -r requirements.txt trl")
         return 0
     transformers.utils.logging.set_verbosity_error()
-    tok = toy_tools.word_tokenizer()
+    tok = agents.word_tokenizer(toy_tools.WORDS)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{torch.get_num_threads()} threads; 8 prompts x 8 completions x up to {b.new_tokens} new tokens; "
           f"median of {b.steps} steps after 3 warm-up steps")

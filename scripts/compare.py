@@ -34,8 +34,10 @@ hours. --resume continues a comparison that was cut off, after its last finished
 cold-start round.
 
 The report gives each arm's final success over all runs and per stage 1, and the paired
-difference (first arm - second arm, same stage 1 and seed) with a 95% bootstrap interval that
-resamples stage 1s, then seeds within them. Writes <out>/<experiment>/results.md and curves.csv,
+difference (first arm - second arm, same stage 1 and seed) with a 95% t-interval over the stage 1s,
+the independent units (each stage 1's seeds averaged first); the paper's ordering is said to hold
+only when that interval excludes 0, and to be inconclusive otherwise. `--recompute REPORT...` prints
+them again from reports already written. Writes <out>/<experiment>/results.md and curves.csv,
 curves.png if matplotlib is installed, and per run a folder with its log, metrics.jsonl,
 args.json and summary.json.
 """
@@ -43,6 +45,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -100,6 +103,9 @@ def parse(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="continue in --out: finished runs with the same options are reused (stage 1s across "
                         "experiments too), cut-off ones continue from their last checkpoint")
+    p.add_argument("--recompute", nargs="+", metavar="REPORT", default=None,
+                   help="run nothing: print the paired differences and their intervals over stage 1s from the "
+                        "per-seed figures of reports this script wrote (several: their stage 1s pooled)")
     p.add_argument("--quick", action="store_true",
                    help="a very short version (2 stage 1s x 2 seeds, tiny budgets): checks the pipeline, shows nothing")
     a = p.parse_args(argv)
@@ -185,19 +191,71 @@ def sub_movement(folder):
     return float(np.mean([r["approx_kl_sub"] for r in rows])), float(np.mean([r["clip_frac_sub"] for r in rows]))
 
 
-def paired_ci(diffs, n_boot=10000, seed=0):
+# 97.5% quantiles of Student's t, by degrees of freedom (a t-interval needs no scipy)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t975(df):
+    """Student's t 97.5% quantile: the table's, or its next smaller df's (a wider interval); 1.96 past 30."""
+    return T975[max(k for k in T975 if k <= df)] if df <= 30 else 1.96
+
+
+def paired_interval(diffs):
     """Mean of the paired differences {stage-1 seed: [difference per stage-2 seed]} and its 95%
-    interval from a two-level bootstrap: draw stage 1s with replacement, then seeds within each
-    drawn stage 1 with replacement, and take the mean. Resampling the pairs as if independent would
-    understate the spread, since runs that share a stage 1 move together."""
-    rng = np.random.default_rng(seed)
-    groups = [np.asarray(v, dtype=float) for v in diffs.values()]
-    means = np.empty(n_boot)
-    for b in range(n_boot):
-        picked = [groups[i] for i in rng.integers(len(groups), size=len(groups))]
-        means[b] = np.mean(np.concatenate([g[rng.integers(len(g), size=len(g))] for g in picked]))
-    mean = float(np.mean(np.concatenate(groups)))
-    return mean, float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    t-interval over stage 1s. The stage 1s are the independent units: runs that share a stage 1 move
+    together, so each stage 1's seeds are averaged first, and the interval is the t-interval of
+    those means (n - 1 degrees of freedom). With one stage 1 there is no interval (NaN)."""
+    means = np.array([np.mean(v) for v in diffs.values()], dtype=float)
+    if len(means) < 2:
+        return float(means.mean()), float("nan"), float("nan")
+    half = t975(len(means) - 1) * means.std(ddof=1) / np.sqrt(len(means))
+    return float(means.mean()), float(means.mean() - half), float(means.mean() + half)
+
+
+def verdict(lo, hi):
+    """The ordering first arm > second arm: holds when the interval excludes 0 above it, reversed when
+    it excludes 0 below, and inconclusive otherwise."""
+    return "holds" if lo > 0 else "reversed" if hi < 0 else "inconclusive"
+
+
+def paired_line(arms, metric, diffs):
+    mean, lo, hi = paired_interval(diffs)
+    return (f"Paired difference {arms[0]} - {arms[1]}, {metric} success at the end: **{mean:+.3f}**, 95% "
+            f"t-interval over the {len(diffs)} stage 1s [{lo:+.3f}, {hi:+.3f}]: **{verdict(lo, hi)}** (per stage "
+            "1: " + ", ".join(f"seed {s1} {np.mean(d):+.3f}" for s1, d in diffs.items()) + ").")
+
+
+def read_report(path):
+    """The arms and, per stage 1, each arm's sampled success per seed and greedy mean, from the
+    per-stage-1 table of a report this script wrote (results.md)."""
+    with open(path) as f:
+        lines = [line for line in f if line.startswith("| ")]
+    header = next(line for line in lines if line.startswith("| stage 1 | start of stage 2"))
+    arms = re.findall(r"\| ([^|]+?): sampled at the end", header)
+    finals = {}
+    for line in lines:
+        if m := re.match(r"\| seed (\d+) \| [0-9.]+ / [0-9.]+ \|(.*)\|$", line):
+            cells = [c.strip() for c in m.group(2).split("|")]
+            finals[int(m.group(1))] = {arm: {"sampled": [float(x) for x in re.findall(r"[0-9.]+", cells[2 * i])[1:]],
+                                             "greedy": float(cells[2 * i + 1])} for i, arm in enumerate(arms)}
+    return arms, finals
+
+
+def recompute(paths):
+    """The paired differences and their intervals over stage 1s, from the per-seed figures of reports
+    (several reports of one experiment, over different stage 1s, pool their stage 1s)."""
+    arms, finals = None, {}
+    for path in paths:
+        a, f = read_report(path)
+        if arms not in (None, a):
+            raise SystemExit(f"{path} compares {a}, the reports before it {arms}")
+        arms = a
+        finals.update(f)
+    print(f"{', '.join(paths)}: {arms[0]} - {arms[1]}, stage 1s {sorted(finals)}")
+    for metric in ("sampled", "greedy"):
+        diffs = {s1: np.subtract(v[arms[0]][metric], v[arms[1]][metric]) for s1, v in sorted(finals.items())}
+        print(paired_line(arms, metric, diffs))
 
 
 def tables(finals, arms, stage1_seeds):
@@ -250,6 +308,8 @@ def plot(curves, arms, stage1_seeds, path, title):
 
 def main(argv=None):
     a = parse(argv)
+    if a.recompute:
+        return recompute(a.recompute)
     out = os.path.abspath(a.out or os.path.join("runs", time.strftime("compare-%Y%m%d-%H%M%S")))
     exp_out = os.path.join(out, a.experiment)
     os.makedirs(exp_out, exist_ok=True)
@@ -324,10 +384,8 @@ def main(argv=None):
     pairs = {}
     for m in ("sampled", "greedy") if len(paired) == 2 else ():
         diffs = {s1: np.subtract(finals[(paired[0], s1)][m], finals[(paired[1], s1)][m]) for s1 in a.stage1_seeds}
-        mean, lo, hi = pairs[m] = paired_ci(diffs)
-        text.append(f"Paired difference {paired[0]} - {paired[1]}, {m} success at the end: **{mean:+.3f}**, "
-                    f"95% interval [{lo:+.3f}, {hi:+.3f}] (per stage 1: "
-                    + ", ".join(f"seed {s1} {np.mean(d):+.3f}" for s1, d in diffs.items()) + ").")
+        pairs[m] = paired_interval(diffs)
+        text.append(paired_line(paired, m, diffs))
 
     def run_mean(arm, key):  # over every stage 1 and seed
         return np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)][key]])

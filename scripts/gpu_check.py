@@ -24,7 +24,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import transformers  # noqa: E402
+
 import mgrpo  # noqa: E402
+import toy_tools  # noqa: E402
+from agents import load_agent  # noqa: E402
+from cold_start import cold_start  # noqa: E402
 
 
 def matmul_tflops(device, n=8192, reps=10):
@@ -72,8 +77,8 @@ def main():
     t0 = time.time()
     models = b.models or os.path.join(b.out, "models")
     for name, seed, who in [] if b.models else (("main", 1, "main"), ("sub", 2, "sub")):
-        agent = mgrpo.load_agent("", build, seed)
-        loss = mgrpo.cold_start(agent, who, build, seed) if b.sft_steps else float("nan")
+        agent = load_agent("", build, toy_tools, seed)
+        loss = cold_start(agent, who, build, toy_tools, seed, b.sft_steps) if b.sft_steps else float("nan")
         agent.model.save_pretrained(os.path.join(models, name))
         agent.tok.save_pretrained(os.path.join(models, name))
         print(f"{name}: {sum(x.numel() for x in agent.model.parameters()) / 1e6:.1f}M params, cold start {b.sft_steps} steps, loss {loss:.3f}",
@@ -116,7 +121,7 @@ def main():
             return [json.loads(line) for line in f if '"eval"' not in line]
     main_rows, sub_rows = rows("main")[1:], rows("sub")[1:]  # the first step warms up kernels and caches
     summary = {role: json.load(open(os.path.join(b.out, role, "summary.json"))) for role in procs}
-    cfg = mgrpo.transformers.AutoConfig.from_pretrained(os.path.join(models, "main"))
+    cfg = transformers.AutoConfig.from_pretrained(os.path.join(models, "main"))
     n_params = {role: summary[role]["params"] for role in procs}
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "size": b.size, "params": n_params,
            "role_args": b.role_args, "steps": b.steps, "wall_s": round(wall, 1),

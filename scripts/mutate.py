@@ -1,7 +1,7 @@
 """Mutation testing: small, plausible M-GRPO bugs, applied one at a time to a copy of the code;
 the fast test tier (`pytest -m "not slow"`) must catch every one.
 
-Each mutant replaces one exact piece of `mgrpo.py` (or `toy_tools.py`). A piece that is no longer
+Each mutant replaces one exact piece of `mgrpo.py` or a sibling module. A piece that is no longer
 in the code, or is there more than once, stops the script: the list must follow the code.
 
     python scripts/mutate.py             # every mutant: caught by which test, or survived
@@ -31,7 +31,8 @@ MUTANTS = [
     ("M's groups formed across queries", "mgrpo.py",
      "adv = group_advantages(r_main.view(-1, K)).view(-1)", "adv = group_advantages(r_main.view(1, -1)).view(-1)"),
     ("a slot gets the correctness of the rollout whose slot it fills, not of the one that made it", "mgrpo.py",
-     "for s, (k, _) in zip(group, pairs)]", "for s, (k, _) in zip(group, [(j // D, 0) for j in range(len(pairs))])]"),
+     "for s, (k, _), e in zip(group, pairs, expert)]",
+     "for s, (k, _), e in zip(group, [(j // D, 0) for j in range(len(pairs))], expert)]"),
     ("S's groups formed across queries", "mgrpo.py",
      "adv.append(group_advantages(r))", "adv.append(torch.tensor(r))"),
     ("d_k > D keeps the first D instead of D at random", "mgrpo.py",
@@ -47,34 +48,32 @@ MUTANTS = [
      "w[1] * float(main_correct) + w[2] * float(expert)", "w[2] * float(main_correct) + w[1] * float(expert)"),
     ("clip range swapped", "mgrpo.py", "ratio.clamp(1 - eps_low, 1 + eps_high)", "ratio.clamp(1 - eps_high, 1 + eps_low)"),
     ("max instead of min in the clipped surrogate", "mgrpo.py",
-     "torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)",
-     "torch.maximum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)"),
-    ("off by one between logits and targets", "mgrpo.py",
+     "torch.minimum(ratio * a, clipped_ratio * a)", "torch.maximum(ratio * a, clipped_ratio * a)"),
+    ("off by one between logits and targets", "sampling.py",
      "logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])",
      "logits[:, 1:].float().log_softmax(-1).gather(-1, ids[:, 1:, None])"),
-    ("positions ignore left padding", "mgrpo.py",
+    ("positions ignore left padding", "sampling.py",
      "    pos = (attn.cumsum(-1) - 1).clamp(min=0)\n    logits = model(",
      "    pos = torch.arange(attn.shape[1])[None].expand_as(attn)\n    logits = model("),
-    ("tool output and returned text given mask 1", "mgrpo.py",
+    ("tool output and returned text given mask 1", "agents.py",
      "self.mask += [0 if logp is None else 1] * len(ids)", "self.mask += [1] * len(ids)"),
     ("the loss mask ignored", "mgrpo.py", "per_tok = -surr * m", "per_tok = -surr"),
     ("micro-batches normalised on their own", "mgrpo.py",
      'w = (min(mb, B - s) / B) if args.loss_agg == "seq-mean" else mask[sl].sum() / n_tok', "w = 1.0"),
-    ("the attention mask built from token ids (pad == eos drops the final eos)", "mgrpo.py",
+    ("the attention mask built from token ids (pad == eos drops the final eos)", "sampling.py",
      "ids[b, :n], attn[b, :n] = torch.tensor(t.ids), 1", "ids[b, :n], attn[b, :n] = torch.tensor(t.ids), torch.tensor(t.ids) != pad_id"),
-    ("unsync behaves as sync", "mgrpo.py",
-     "(batch, adv), sub.pending = sub.pending or ([], None), (batch, adv)", "sub.pending = (batch, adv)"),
+    ("unsync behaves as sync", "mgrpo.py", "        batch, adv = previous\n", ""),
     ("main-only trains S", "mgrpo.py", "        batch = []  # S frozen", "        pass  # S frozen"),
-    ("sampling at temperature 0.8", "mgrpo.py",
+    ("sampling at temperature 0.8", "sampling.py",
      "torch.multinomial(allowed.exp(), 1, generator=generator)",
      "torch.multinomial((allowed / 0.8).exp(), 1, generator=generator)"),
-    ("pad and unk not suppressed when sampling", "mgrpo.py",
+    ("pad and unk not suppressed when sampling", "sampling.py",
      "allowed = logp.index_fill(-1, suppress, -math.inf) if len(suppress) else logp", "allowed = logp"),
-    ("stored log-prob of the renormalised (suppressed) distribution", "mgrpo.py",
+    ("stored log-prob of the renormalised (suppressed) distribution", "sampling.py",
      "return tok, logp.gather(-1, tok[:, None])[:, 0]", "return tok, allowed.log_softmax(-1).gather(-1, tok[:, None])[:, 0]"),
-    ("a second action in a turn gets format credit", "toy_tools.py",
-     "return (tag, arg) if arg and not _TAG.search(arg) and _text(arg) == arg else None",
-     "return (tag, arg) if arg and _text(arg) == arg else None"),
+    ("a second action in a turn gets format credit", "tools.py",
+     "return (tag, arg) if arg and not _TAG.search(arg) and clean_text(arg) == arg else None",
+     "return (tag, arg) if arg and clean_text(arg) == arg else None"),
 ]
 
 
@@ -104,7 +103,7 @@ def main():
         return 1
     survived, t_all = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("mgrpo.py", "toy_tools.py", "infra", "tutorial.md", "tests", "scripts"):
+        for name in [n for n in os.listdir(ROOT) if n.endswith((".py", ".md"))] + ["tests", "scripts"]:
             src = os.path.join(ROOT, name)
             (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(tmp, name))
         for i, (what, file, old, new) in picked:

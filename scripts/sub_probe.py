@@ -21,8 +21,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import transformers  # noqa: E402
+
+import cold_start  # noqa: E402
 import mgrpo  # noqa: E402
 import toy_tools  # noqa: E402
+from agents import Traj, load_agent, new_traj  # noqa: E402
+from tools import tool_calls  # noqa: E402
 
 
 def sub_tasks(level, n=200):
@@ -46,7 +51,7 @@ def perfect_sub_agent(tasks, questions, seed, greedy):
     for task, q in zip(tasks, questions):
         parsed = toy_tools.parse_subtask(task)
         value = toy_tools.knowledge_base(q.seed, q.level).get(parsed) if parsed else None
-        out.append(mgrpo.Traj([], [], [], task=task, result=value or "none", ok=True))
+        out.append(Traj([], [], [], task=task, result=value or "none", ok=True))
     return out
 
 
@@ -55,9 +60,9 @@ def single_agent_misses(agent, args, n=200):
     first search that asks for a wrong entity (the hop before it was misread), or right."""
     for level in sorted(toy_tools.N_SNIPPETS):
         qs, tasks = sub_tasks(level, n)
-        trajs = [mgrpo.new_traj(agent, "single", q.text) for q in qs]
-        trajs = mgrpo.agent_loop(agent, "single", trajs, mgrpo.tool_calls(toy_tools.ToySearch(), qs, args, agent.chat),
-                                 args.main_max_turns, args, 0, True)
+        trajs = [new_traj(agent, "single", q.text) for q in qs]
+        act = tool_calls(toy_tools.ToySearch(), qs, args.visit_max_chars, agent.chat)
+        trajs = mgrpo.agent_loop(agent, "single", trajs, act, args.main_max_turns, 0, True)
         seen = {}
         for j, (t, q) in enumerate(zip(trajs, qs)):
             chain = [hop[j].split()[-1] for hop in tasks.values()]  # "city of bo": search "bo"
@@ -71,17 +76,17 @@ def single_agent_misses(agent, args, n=200):
 
 def main(argv=None):
     args = mgrpo.parse_args(argv)
-    mgrpo.transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     t0 = time.time()
-    steps = mgrpo.cold_start_steps(args, {"main": args.main_model, "sub": args.sub_model})
+    steps = cold_start.cold_start_steps(args, {"main": args.main_model, "sub": args.sub_model})
     if args.mode == "single-agent":
-        agent = mgrpo.load_agent(args.main_model, args, seed=args.seed)
-        mgrpo.cold_start_all({"main": agent}, {"main": "single"}, {"main": steps["main"]}, args)
+        agent = load_agent(args.main_model, args, toy_tools, seed=args.seed)
+        cold_start.cold_start_all({"main": agent}, {"main": steps["main"]}, args, toy_tools)
         print("single agent, greedy, 200 held-out questions per level:")
         return single_agent_misses(agent, args)
-    agents = {"main": mgrpo.load_agent(args.main_model, args, seed=args.seed),
-              "sub": mgrpo.load_agent(args.sub_model, args, seed=args.seed + 1)}
-    mgrpo.cold_start_all(agents, {"main": "main", "sub": "sub"}, steps, args)
+    agents = {"main": load_agent(args.main_model, args, toy_tools, seed=args.seed),
+              "sub": load_agent(args.sub_model, args, toy_tools, seed=args.seed + 1)}
+    cold_start.cold_start_all(agents, steps, args, toy_tools)
     sub = agents["sub"]
     search = toy_tools.ToySearch()
     what = [f"from {args.main_model or 'a new model'} and {args.sub_model or 'a new model'}"]
@@ -102,7 +107,7 @@ def main(argv=None):
     print("main agent with a perfect sub-agent, success greedy / sampled:")
     for level in sorted(toy_tools.N_SNIPPETS):
         args.level, args.eval_questions = level, 200
-        acc = [mgrpo.evaluate(agents["main"], args, perfect_sub_agent, None, greedy) for greedy in (True, False)]
+        acc = [mgrpo.evaluate(agents["main"], args, toy_tools, perfect_sub_agent, None, greedy) for greedy in (True, False)]
         print(f"  level {level}: {acc[0]:.2f} / {acc[1]:.2f}", flush=True)
 
 

@@ -12,8 +12,10 @@ import re
 
 import torch
 
-import mgrpo
+import tools
 import toy_tools
+from agents import Traj
+from sampling import collate, token_logprobs
 
 
 def forced(policy):
@@ -23,11 +25,11 @@ def forced(policy):
         for row, ctx in enumerate(contexts):
             text = policy(agent, agent.tok.decode(ctx), row)
             turns.append(agent.tok(text, add_special_tokens=False).input_ids + [agent.end[0]])
-        trajs = [mgrpo.Traj(c + t, [0] * len(c) + [1] * len(t), [0.0] * (len(c) + len(t)))
+        trajs = [Traj(c + t, [0] * len(c) + [1] * len(t), [0.0] * (len(c) + len(t)))
                  for c, t in zip(contexts, turns)]
-        ids, attn, _, _ = mgrpo.collate(trajs, agent.pad_id, agent.model.device)
+        ids, attn, _, _ = collate(trajs, agent.pad_id, agent.model.device)
         with torch.no_grad():
-            lp = mgrpo.token_logprobs(agent.model, ids, attn)
+            lp = token_logprobs(agent.model, ids, attn)
         return [(t, lp[b, len(c):len(c) + len(t)].tolist(), True) for b, (c, t) in enumerate(zip(contexts, turns))]
     return generate
 
@@ -53,11 +55,11 @@ class Plan:
             tag, arg = self.main[k][turns]
             arg = arg(text.split("<assistant>")[0].replace("<user>", "").strip()) if callable(arg) else arg
             marker = f"<think> {toy_tools.PERSONS[k]} </think> " if turns == 0 else ""
-            return marker + ("<answer> </answer>" if tag == "bad" else toy_tools.action_text(tag, arg))
+            return marker + ("<answer> </answer>" if tag == "bad" else tools.action_text(tag, arg))
         task = text.split("<assistant>")[0].replace("<user>", "").strip()
         rel, entity = task.split(" of ")
         if "<tool>" not in text:
-            return toy_tools.action_text("search", entity)
+            return tools.action_text("search", entity)
         results = text.split("<tool>")[-1]
         fact = re.search(rf"\b{entity} {toy_tools.RELATIONS[rel][0]} (\w+)", results)
         how = self.sub.get(task, "ok")
@@ -66,4 +68,4 @@ class Plan:
         value = fact.group(1) if fact else "none"
         if how == "wrong":
             value = next(v for v in toy_tools.RELATIONS[rel][2] if v != value)
-        return toy_tools.action_text("return", value)
+        return tools.action_text("return", value)

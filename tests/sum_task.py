@@ -8,8 +8,8 @@ then arithmetic that only the main agent does.
 """
 import random
 
-import toy_tools
-from toy_tools import Question, SearchError
+import tools
+from toy_tools import Question
 
 NAMES = "kiwi lime fig date plum pear sloe yuzu".split()
 NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
@@ -45,14 +45,14 @@ def expert_score(q, task, result):
 class Search:
     def search(self, query, seed, level):
         hits = [n for n in NAMES if n in query.lower().split()][:1]
-        rng = random.Random(toy_tools.stable_seed(seed, query))
+        rng = random.Random(tools.stable_seed(seed, query))
         names = hits + rng.sample([n for n in NAMES if n not in hits], 3 - len(hits))
         rng.shuffle(names)
         return [{"url": f"sum://{seed}/{n}", "title": n, "content": f"{n} is {NUMBERS[values(seed)[n]]}"}
                 for n in names]
 
     def visit(self, url, max_chars=2000, allowed=()):
-        raise SearchError("this task has no pages")
+        raise tools.SearchError("this task has no pages")
 
 
 def search_tool():
@@ -69,14 +69,14 @@ def demo(q, rng, p, kind, chat=False):
         found = [r["content"].split()[-1] for r in results if r["title"] == name]
         value = noisy(found[0] if found else rng.choice(NUMBERS[:10]), NUMBERS[:10])
         return [{"role": "user", "content": f"value of {name}"},
-                {"role": "assistant", "content": toy_tools.action_text("search", query, chat)},
-                {"role": "tool", "content": toy_tools.search_observation(results, chat)},
-                {"role": "assistant", "content": toy_tools.action_text("return", value, chat)}]
+                {"role": "assistant", "content": tools.action_text("search", query, chat)},
+                {"role": "tool", "content": tools.search_observation(results, chat)},
+                {"role": "assistant", "content": tools.action_text("return", value, chat)}]
     v, (a, b) = values(q.seed), (q.text.split()[2], q.text.split()[4])
     msgs = [{"role": "user", "content": q.text}]
     for name in (a, b):
         tag, arg = ("search", name) if kind == "single" else ("call", f"value of {name}")
-        obs = toy_tools.search_observation(Search().search(name, q.seed, q.level), chat) if kind == "single" \
+        obs = tools.search_observation(Search().search(name, q.seed, q.level), chat) if kind == "single" \
             else NUMBERS[v[name]]
-        msgs += [{"role": "assistant", "content": toy_tools.action_text(tag, arg, chat)}, {"role": "tool", "content": obs}]
-    return msgs + [{"role": "assistant", "content": toy_tools.action_text("answer", noisy(q.answer, NUMBERS), chat)}]
+        msgs += [{"role": "assistant", "content": tools.action_text(tag, arg, chat)}, {"role": "tool", "content": obs}]
+    return msgs + [{"role": "assistant", "content": tools.action_text("answer", noisy(q.answer, NUMBERS), chat)}]

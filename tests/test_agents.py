@@ -6,8 +6,13 @@ import random
 import pytest
 import torch
 
+import helpers
 import mgrpo
+import tools
 import toy_tools
+from agents import Traj, prompt_ids
+from cold_start import encode_demo
+from sampling import collate, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -17,14 +22,14 @@ def args():
 
 @pytest.fixture(scope="module")
 def agents(args):
-    return mgrpo.load_agent("", args, seed=0), mgrpo.load_agent("", args, seed=1)
+    return helpers.load_agent("", args, seed=0), helpers.load_agent("", args, seed=1)
 
 
 def test_incremental_context_equals_chat_template(agents):
     main, _ = agents
     q = toy_tools.make_question(3, 2)
     msgs = toy_tools.main_demo(q, random.Random(0), 0.0)
-    t = mgrpo.encode_demo(main, msgs, "main")
+    t = encode_demo(main, msgs, "main")
     whole = main.tok(main.tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False).input_ids
     assert t.ids == whole
     # loss mask: exactly the assistant turns (with their eos), nothing else
@@ -34,15 +39,15 @@ def test_incremental_context_equals_chat_template(agents):
 
 def test_generation_logprobs_equal_recomputed_under_left_padding(agents):
     main, _ = agents
-    ctx = [mgrpo.prompt_ids(main, "main", text) for text in
+    ctx = [prompt_ids(main, "main", text) for text in
            ["country of ada ?", "country of friend of bo ?", "city of cy", "country of friend of friend of dex ?"]]
     outs = mgrpo.generate(main, ctx, 8, seed=0)
-    trajs = [mgrpo.Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp)
+    trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp)
              for c, (new, lp, _) in zip(ctx, outs)]
     assert len({len(t.ids) for t in trajs}) > 1  # rows of different lengths: padding matters
-    ids, attn, mask, old = mgrpo.collate(trajs, main.tok.pad_token_id, "cpu")  # right padded
+    ids, attn, mask, old = collate(trajs, main.tok.pad_token_id, "cpu")  # right padded
     with torch.no_grad():
-        lp = mgrpo.token_logprobs(main.model, ids, attn)
+        lp = token_logprobs(main.model, ids, attn)
     assert torch.allclose(lp[mask.bool()], old[mask.bool()], atol=1e-5)
     # the same rows left padded give the same log-probs
     L = ids.shape[1]
@@ -50,7 +55,7 @@ def test_generation_logprobs_equal_recomputed_under_left_padding(agents):
     for b, t in enumerate(trajs):
         ids_l[b, L - len(t.ids):], attn_l[b, L - len(t.ids):] = torch.tensor(t.ids), 1
     with torch.no_grad():
-        lp_l = mgrpo.token_logprobs(main.model, ids_l, attn_l)
+        lp_l = token_logprobs(main.model, ids_l, attn_l)
     for b, t in enumerate(trajs):
         n = len(t.ids)
         assert torch.allclose(lp_l[b, L - n:], lp[b, :n], atol=1e-5)
@@ -58,23 +63,23 @@ def test_generation_logprobs_equal_recomputed_under_left_padding(agents):
 
 def test_masks_come_from_lengths_when_pad_is_eos():
     eos = 1
-    t = mgrpo.Traj([5, 6], [0, 0], [0.0, 0.0])
+    t = Traj([5, 6], [0, 0], [0.0, 0.0])
     t.add([7, eos], [-0.5, -0.1])  # the policy's final eos must keep its loss mask
-    short = mgrpo.Traj([5], [0], [0.0])
-    ids, attn, mask, old = mgrpo.collate([t, short], pad_id=eos, device="cpu")
+    short = Traj([5], [0], [0.0])
+    ids, attn, mask, old = collate([t, short], pad_id=eos, device="cpu")
     assert attn[0].tolist() == [1, 1, 1, 1] and mask[0].tolist() == [0, 0, 1, 1]
     assert attn[1].tolist() == [1, 0, 0, 0] and ids[1, 1:].tolist() == [eos] * 3
     assert old[0, 3].item() == pytest.approx(-0.1)
 
 
 def test_bad_output_gets_format_zero():
-    tags = toy_tools.MAIN_TAGS
+    tags = tools.TAGS["main"]
     for text in ["", "ada", "<call> city of ada", "<call> </call>", "<answer> x </call>",
                  "<search> ada </search>", "<call> a </call> <answer> b </answer>", "</call> a <call>"]:
-        assert toy_tools.parse_action(text, tags) is None, text
-    assert toy_tools.parse_action("<call> city of ada </call>", tags) == ("call", "city of ada")
-    assert toy_tools.parse_action("<think> hm </think> <answer> midia </answer>", tags) == ("answer", "midia")
-    assert toy_tools.parse_action("<return> ok </return>", toy_tools.SUB_TAGS) == ("return", "ok")
+        assert tools.parse_action(text, tags) is None, text
+    assert tools.parse_action("<call> city of ada </call>", tags) == ("call", "city of ada")
+    assert tools.parse_action("<think> hm </think> <answer> midia </answer>", tags) == ("answer", "midia")
+    assert tools.parse_action("<return> ok </return>", tools.TAGS["sub"]) == ("return", "ok")
 
 
 def test_untrained_models_run_a_whole_step(args, agents):
@@ -84,7 +89,7 @@ def test_untrained_models_run_a_whole_step(args, agents):
     a = copy.deepcopy(args)
     a.questions_per_step, a.group_size = 2, 4
     search = toy_tools.ToySearch()
-    rec = mgrpo.train_step(main, sub, 1, a, functools.partial(mgrpo.run_sub_agents, sub, a, search), search)
+    rec = mgrpo.train_step(main, sub, 1, a, toy_tools, functools.partial(mgrpo.run_sub_agents, sub, a, search), search)
     assert rec["main_reward"] == 0.0 and rec["zero_var_main"] == 1.0
     assert rec["success"] == 0.0
 
@@ -99,7 +104,7 @@ def _grads(agent, trajs, adv, args):
 def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
     main, _ = agents
     demos = [toy_tools.main_demo(toy_tools.make_question(s, 1 + s % 2), random.Random(s), 0.3) for s in range(6)]
-    trajs = [mgrpo.encode_demo(main, d, "main") for d in demos]
+    trajs = [encode_demo(main, d, "main") for d in demos]
     for t in trajs:
         t.logp = [x - 2.0 * m for x, m in zip(t.logp, t.mask)]  # ratio != 1 somewhere
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 2.0, -0.2])
@@ -114,7 +119,7 @@ def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
 
 def test_non_finite_loss_fails_fast(args, agents):
     main, _ = agents
-    trajs = [mgrpo.encode_demo(main, toy_tools.sub_demo(toy_tools.make_question(1, 1), random.Random(1), 0.0), "sub")]
+    trajs = [encode_demo(main, toy_tools.sub_demo(toy_tools.make_question(1, 1), random.Random(1), 0.0), "sub")]
     with pytest.raises(FloatingPointError):
         mgrpo.update_agent(copy.deepcopy(main), trajs, torch.tensor([float("nan")]), args)
 
@@ -123,9 +128,9 @@ def test_save_and_load_with_from_pretrained(tmp_path, args, agents):
     main, _ = agents
     main.model.save_pretrained(tmp_path)
     main.tok.save_pretrained(tmp_path)
-    loaded = mgrpo.load_agent(str(tmp_path), args, seed=123)
-    ids = torch.tensor([mgrpo.prompt_ids(main, "main", "country of ada ?")])
-    assert mgrpo.prompt_ids(loaded, "main", "country of ada ?") == ids[0].tolist()
+    loaded = helpers.load_agent(str(tmp_path), args, seed=123)
+    ids = torch.tensor([prompt_ids(main, "main", "country of ada ?")])
+    assert prompt_ids(loaded, "main", "country of ada ?") == ids[0].tolist()
     with torch.no_grad():
         assert torch.allclose(main.model(ids).logits, loaded.model(ids).logits, atol=1e-6)
     assert loaded.stop_ids == main.stop_ids and loaded.suppress == main.suppress

@@ -10,8 +10,13 @@ import sys
 
 import pytest
 
+import cold_start
+import helpers
 import mgrpo
+import tools
 import toy_tools
+from agents import message_ids, prompt_ids
+from cold_start import encode_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a short cold start: enough for valid tool calls and multi-turn rollouts, not for skill
@@ -29,35 +34,35 @@ def chat_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("chat")
     args = mgrpo.parse_args(BUILD)
     for name, seed, who in (("main", 1, "main"), ("sub", 2, "sub")):  # one after the other: chat contexts are
-        agent = mgrpo.load_agent("", args, seed)                        # long enough to use both threads
-        mgrpo.cold_start(agent, who, args, seed)
+        agent = helpers.load_agent("", args, seed)                        # long enough to use both threads
+        cold_start.cold_start(agent, who, args, toy_tools, seed, args.sft_steps)
         agent.model.save_pretrained(out / name)
         agent.tok.save_pretrained(out / name)
     return {"main": str(out / "main"), "sub": str(out / "sub")}
 
 
 def test_chat_agent_loads_by_path_with_its_template(chat_dir):
-    agent = mgrpo.load_agent(chat_dir["sub"], mgrpo.parse_args([]), seed=0)
+    agent = helpers.load_agent(chat_dir["sub"], mgrpo.parse_args([]), seed=0)
     assert agent.chat and agent.tok.decode([agent.end[0]]) == "<|im_end|>" and agent.pad_id != agent.end[0]
-    text = agent.tok.decode(mgrpo.prompt_ids(agent, "sub", "city of ada"))
+    text = agent.tok.decode(prompt_ids(agent, "sub", "city of ada"))
     assert text.startswith("<|im_start|>system\n" + toy_tools.SYSTEM["sub"])
     assert '"name": "search"' in text and '"name": "visit"' in text and '"name": "sub_agent"' not in text
     assert text.endswith("<|im_start|>user\ncity of ada<|im_end|>\n<|im_start|>assistant\n")
     # built in code and reloaded: the same ids for the same text
-    fresh = mgrpo.load_agent("", mgrpo.parse_args(["--chat"]), seed=0)
-    assert mgrpo.prompt_ids(fresh, "sub", "city of ada") == mgrpo.prompt_ids(agent, "sub", "city of ada")
+    fresh = helpers.load_agent("", mgrpo.parse_args(["--chat"]), seed=0)
+    assert prompt_ids(fresh, "sub", "city of ada") == prompt_ids(agent, "sub", "city of ada")
 
 
 @pytest.mark.parametrize("who,demo", [("main", toy_tools.main_demo), ("sub", toy_tools.sub_demo),
                                       ("single", toy_tools.single_demo)])
 def test_incremental_ids_equal_the_whole_conversation(chat_dir, who, demo):
-    agent = mgrpo.load_agent(chat_dir["main"], mgrpo.parse_args([]), seed=0)
-    tools = [toy_tools.TOOLS[n] for n in toy_tools.CHAT_TOOLS[who]]
+    agent = helpers.load_agent(chat_dir["main"], mgrpo.parse_args([]), seed=0)
+    schemas = [tools.TOOLS[n] for n in tools.CHAT_TOOLS[who]]
     for s in range(8):
         msgs = demo(toy_tools.make_question(s, 1 + s % 2), random.Random(s), 0.1, chat=True)
-        t = mgrpo.encode_demo(agent, msgs, who)
+        t = encode_demo(agent, msgs, who)
         whole = agent.tok.apply_chat_template([{"role": "system", "content": toy_tools.SYSTEM[who]}] + msgs,
-                                              tools=tools, tokenize=False)
+                                              tools=schemas, tokenize=False)
         assert agent.tok.decode(t.ids) + "\n" == whole  # the template adds a newline after the last turn
         trained = [agent.tok.decode([i for i, m in zip(t.ids, t.mask) if m])]
         assert trained == ["".join(m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")]
@@ -67,9 +72,9 @@ def test_message_ids_survive_template_quirks(chat_dir):
     """Qwen3-style templates render the last assistant turn with an empty think block, and
     Qwen2.5-style ones add a default system prompt to a conversation without one: a tool
     message rendered alone, or by diffing two renders, would carry either into the context."""
-    agent = mgrpo.load_agent(chat_dir["main"], mgrpo.parse_args([]), seed=0)
+    agent = helpers.load_agent(chat_dir["main"], mgrpo.parse_args([]), seed=0)
     want = "\n<|im_start|>user\n<tool_response>\nbo\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert agent.tok.decode(mgrpo.message_ids(agent, "tool", "bo")) == want
+    assert agent.tok.decode(message_ids(agent, "tool", "bo")) == want
     quirky = copy.deepcopy(agent)
     quirky.tok.chat_template = agent.tok.chat_template.replace(
         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content']",
@@ -78,19 +83,19 @@ def test_message_ids_survive_template_quirks(chat_dir):
     assert quirky.tok.chat_template != agent.tok.chat_template
     assert "<think>" in quirky.tok.apply_chat_template([{"role": "user", "content": "a"},
                                                         {"role": "assistant", "content": "b"}], tokenize=False)
-    assert quirky.tok.decode(mgrpo.message_ids(quirky, "tool", "bo")) == want
+    assert quirky.tok.decode(message_ids(quirky, "tool", "bo")) == want
 
 
 def test_chat_actions_parse_or_get_format_zero():
     call = '<tool_call>\n{"name": "search", "arguments": {"query": "ada"}}\n</tool_call>'
-    assert toy_tools.parse_chat_action(call, "sub") == ("search", "ada")
-    assert toy_tools.parse_chat_action("Let me look.\n" + call, "sub") == ("search", "ada")
-    assert toy_tools.parse_chat_action("<think>hm</think><answer> Norland </answer>", "main") == ("answer", "Norland")
-    assert toy_tools.parse_chat_action("<answer> avon </answer>", "sub") == ("return", "avon")
+    assert tools.parse_chat_action(call, "sub") == ("search", "ada")
+    assert tools.parse_chat_action("Let me look.\n" + call, "sub") == ("search", "ada")
+    assert tools.parse_chat_action("<think>hm</think><answer> Norland </answer>", "main") == ("answer", "Norland")
+    assert tools.parse_chat_action("<answer> avon </answer>", "sub") == ("return", "avon")
     visit = '<tool_call>{"name": "visit", "arguments": {"url": "toy://page/1/1/ada"}}</tool_call>'
-    assert toy_tools.parse_chat_action(visit, "single") == ("visit", "toy://page/1/1/ada")
+    assert tools.parse_chat_action(visit, "single") == ("visit", "toy://page/1/1/ada")
     task = '<tool_call>{"name": "sub_agent", "arguments": {"task": "city of ada"}}</tool_call>'
-    assert toy_tools.parse_chat_action(task, "main") == ("call", "city of ada")
+    assert tools.parse_chat_action(task, "main") == ("call", "city of ada")
     for bad, who in [(call, "main"),                      # a tool this agent does not have
                      (task, "sub"),
                      ('<tool_call>{"name": "search"}</tool_call>', "sub"),   # no arguments
@@ -103,10 +108,10 @@ def test_chat_actions_parse_or_get_format_zero():
                      (call + call, "sub"), (call + "<answer> x </answer>", "sub"),
                      (call + " and more", "sub"), ("<answer> </answer>", "main"),
                      ("norland", "main"), ("", "main"), ("<answer> x", "main")]:
-        assert toy_tools.parse_chat_action(bad, who) is None, bad
+        assert tools.parse_chat_action(bad, who) is None, bad
     for tag, arg, who in [("call", "city of ada", "main"), ("search", "bo", "sub"), ("visit", "toy://page/1/1/bo", "sub"),
                           ("answer", "midia", "main"), ("return", "avon", "sub")]:
-        assert toy_tools.parse_chat_action(toy_tools.action_text(tag, arg, chat=True), who) == (tag, arg)
+        assert tools.parse_chat_action(tools.action_text(tag, arg, chat=True), who) == (tag, arg)
 
 
 def _record_generate(monkeypatch):
@@ -203,15 +208,15 @@ def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypa
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
     args = mgrpo.parse_args(["--sub-max-turns", "4", "--search-retries", "0"])
-    agent = mgrpo.load_agent(chat_dir["sub"], args, seed=0)
+    agent = helpers.load_agent(chat_dir["sub"], args, seed=0)
     q = toy_tools.make_question(5, 1)
-    search = toy_tools.HttpSearch(url, retries=0)
+    search = tools.HttpSearch(url, retries=0)
     try:
         page = next(r["url"] for r in search.search("ada", q.seed, q.level) if r["title"] == "ada")
         city = toy_tools.knowledge_base(q.seed, q.level)[("city", "ada")]
-        script = [toy_tools.action_text("search", "ada", chat=True), toy_tools.action_text("visit", page, chat=True),
-                  toy_tools.action_text("visit", url + "/page/5/1/nobody", chat=True),
-                  toy_tools.action_text("return", city, chat=True)]
+        script = [tools.action_text("search", "ada", chat=True), tools.action_text("visit", page, chat=True),
+                  tools.action_text("visit", url + "/page/5/1/nobody", chat=True),
+                  tools.action_text("return", city, chat=True)]
         turns = iter(script)
 
         def scripted(agent_, contexts, max_new_tokens, seed, greedy=False):

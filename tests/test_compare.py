@@ -24,17 +24,36 @@ def same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_paired_ci_by_hand():
-    # one stage 1, all differences equal: the interval is that one point
-    assert compare.paired_ci({1: [0.2, 0.2, 0.2]}) == pytest.approx((0.2, 0.2, 0.2))
-    # the mean is over every pair; the interval holds it and lies within the extremes
-    mean, lo, hi = compare.paired_ci({1: [0.1, 0.3], 2: [0.0, 0.2], 3: [0.5, 0.7]})
-    assert mean == pytest.approx(0.3) and 0.0 <= lo < mean < hi <= 0.7
-    # the two-level bootstrap: differences that differ only between stage 1s still give a wide
-    # interval (resampling the pairs as independent would give a narrower one)
-    two_level = compare.paired_ci({1: [0.0] * 3, 2: [0.3] * 3, 3: [0.6] * 3})
-    flat = np.random.default_rng(0).choice([0.0] * 3 + [0.3] * 3 + [0.6] * 3, size=(10000, 9)).mean(1)
-    assert two_level[2] - two_level[1] > np.percentile(flat, 97.5) - np.percentile(flat, 2.5)
+def test_paired_interval_by_hand():
+    # stage-1 means 0.2, 0.1, 0.6: mean 0.3, sample std sqrt(0.07), t(2) = 4.303
+    mean, lo, hi = compare.paired_interval({1: [0.1, 0.3], 2: [0.0, 0.2], 3: [0.5, 0.7]})
+    half = 4.303 * np.sqrt(0.07) / np.sqrt(3)
+    assert (mean, lo, hi) == pytest.approx((0.3, 0.3 - half, 0.3 + half))
+    assert compare.verdict(lo, hi) == "inconclusive"  # the interval [-0.36, +0.96] holds 0
+    # the stage 1s are the units: seeds that agree within each stage 1 do not narrow the interval
+    # (three seeds each or one, the same), though a pooled-pairs interval would shrink with them
+    assert compare.paired_interval({1: [0.0] * 3, 2: [0.3] * 3, 3: [0.6] * 3}) == pytest.approx(
+        compare.paired_interval({1: [0.0], 2: [0.3], 3: [0.6]}))
+    assert compare.paired_interval({1: [0.0] * 3, 2: [0.3] * 3, 3: [0.6] * 3})[1] < 0.0  # wider than the range
+    # differences of one sign everywhere, little spread: the ordering holds (or is reversed)
+    assert compare.verdict(*compare.paired_interval({1: [0.1], 2: [0.12], 3: [0.09]})[1:]) == "holds"
+    assert compare.verdict(*compare.paired_interval({1: [-0.1], 2: [-0.12], 3: [-0.09]})[1:]) == "reversed"
+    # one stage 1: no interval, and no ordering claimed
+    mean, lo, hi = compare.paired_interval({1: [0.2, 0.2, 0.2]})
+    assert mean == pytest.approx(0.2) and np.isnan(lo) and compare.verdict(lo, hi) == "inconclusive"
+    assert compare.t975(2) == 4.303 and compare.t975(11) == 2.228 and compare.t975(100) == 1.96
+
+
+def test_recompute_reads_a_report_and_pools_stage1s(capsys):
+    """--recompute: the intervals over stage 1s from the per-seed figures of reports in docs/."""
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+    arms, finals = compare.read_report(os.path.join(docs, "compare.md"))
+    assert arms == ["co-train", "main-only"] and sorted(finals) == [1, 2, 3]
+    assert finals[1]["co-train"] == {"sampled": [0.848, 0.855, 0.859], "greedy": 0.961}
+    assert finals[3]["main-only"] == {"sampled": [0.809, 0.809, 0.797], "greedy": 0.980}
+    compare.recompute([os.path.join(docs, "compare-single-seeds12.md"), os.path.join(docs, "compare-single-seeds345.md")])
+    out = capsys.readouterr().out
+    assert "stage 1s [1, 2, 3, 4, 5]" in out and "-0.004" in out and out.count("inconclusive") == 2
 
 
 def test_bad_options_fail_clearly(capsys):

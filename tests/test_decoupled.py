@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import mgrpo
+from store import FileStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--steps", "10", "--sft-steps", "0", "--questions-per-step", "4", "--group-size", "4",
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # every test here trains models or runs processes
 
 
 def test_store_roundtrip_keys_and_prune(tmp_path):
-    st = mgrpo.FileStore(str(tmp_path), "r1", "main")
+    st = FileStore(str(tmp_path), "r1", "main")
     try:
         st.put("p000001-t0-tasks", {"tasks": ["city of ada"]})
         assert st.read("p000001-t0-tasks") == {"tasks": ["city of ada"]}
@@ -30,7 +30,7 @@ def test_store_roundtrip_keys_and_prune(tmp_path):
             with pytest.raises(ValueError):
                 st.put(bad, {})
         with pytest.raises(ValueError):
-            mgrpo.FileStore(str(tmp_path), "../escape", "main")
+            FileStore(str(tmp_path), "../escape", "main")
         st.put("p000003-done", {})
         st.put("run", {"seed": 1})
         stale = os.path.join(st.dir, "p000009-done.json.123.456.tmp")  # left by a killed writer
@@ -45,13 +45,13 @@ def test_store_roundtrip_keys_and_prune(tmp_path):
 
 
 def _writer(root, w, n):
-    st = mgrpo.FileStore(root, "stress", "writer")
+    st = FileStore(root, "stress", "writer")
     for i in range(n):
         st.put(f"w{w}-r{i}", {"w": w, "i": i, "payload": "x" * (i % 97) * 20, "check": w * 100003 + i})
 
 
 def _reader(root, writers, n, q):
-    st = mgrpo.FileStore(root, "stress", "reader")
+    st = FileStore(root, "stress", "reader")
     seen = 0
     for i in range(n):
         for w in range(writers):
@@ -179,7 +179,7 @@ def test_killed_roles_resume_without_losing_or_repeating_a_step(reference, model
 
 def test_a_run_refuses_an_old_store_and_mismatched_roles(tmp_path):
     store = str(tmp_path / "store")
-    st = mgrpo.FileStore(store, "run", "sub")
+    st = FileStore(store, "run", "sub")
     st.put("run", {"seed": 99})
     st.close()
     r = subprocess.run(_cmd("--role", "main", "--store", store, "--out", str(tmp_path / "m")),

@@ -7,17 +7,20 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+import helpers
 import mgrpo
+from agents import Traj, prompt_ids
+from sampling import collate, token_logprobs
 
 
 @pytest.fixture(scope="module")
 def word_agent():
-    return mgrpo.load_agent("", mgrpo.parse_args([]), seed=0)
+    return helpers.load_agent("", mgrpo.parse_args([]), seed=0)
 
 
 @pytest.fixture(scope="module")
 def chat_agent():
-    return mgrpo.load_agent("", mgrpo.parse_args(["--chat", "--model-size", "0.1M"]), seed=0)
+    return helpers.load_agent("", mgrpo.parse_args(["--chat", "--model-size", "0.1M"]), seed=0)
 
 
 def biased(agent, bias):
@@ -33,7 +36,7 @@ def biased(agent, bias):
 
 def contexts(agent, who="main"):
     texts = ["country of ada ?", "country of friend of bo ?", "city of cy", "friend of dex", "country of avon"]
-    return [mgrpo.prompt_ids(agent, who, t) for t in texts]
+    return [prompt_ids(agent, who, t) for t in texts]
 
 
 def hub_like(agent):
@@ -76,10 +79,10 @@ def test_stored_logprobs_equal_training_logprobs(word_agent):
     assert any(ended) and not all(ended) and len(set(lengths)) >= 4
     for new, lp, e in outs:
         assert e == (new[-1] == eos) and (e or len(new) == 10) and eos not in new[:-1]
-    trajs = [mgrpo.Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(ctx, outs)]
-    ids, attn, mask, old = mgrpo.collate(trajs, agent.pad_id, "cpu")
+    trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(ctx, outs)]
+    ids, attn, mask, old = collate(trajs, agent.pad_id, "cpu")
     with torch.no_grad():
-        lp = mgrpo.token_logprobs(agent.model, ids, attn)
+        lp = token_logprobs(agent.model, ids, attn)
     m = mask.bool()
     assert m.sum() == sum(lengths)
     assert (lp[m] - old[m]).abs().max() < 1e-5

@@ -3,14 +3,19 @@ succeeds, and which rollout is right are fixed by the test, so rewards, alignmen
 batch order, masks and the modes are checked against numbers worked out by hand."""
 import copy
 import functools
+import json
 import random
 
 import pytest
 import torch
 import transformers
 
+import helpers
 import mgrpo
+import tools
 import toy_tools
+from agents import prompt_ids
+from sampling import token_logprobs
 from scripted import Plan, forced
 
 K, D = 4, 2
@@ -41,7 +46,7 @@ TUTORIAL = Plan({0: [("answer", wrong)],
 def agents():
     args = mgrpo.parse_args(["--sft-steps", "0", "--group-size", str(K), "--max-sub", str(D), "--main-max-turns", "6",
                              "--questions-per-step", "1"])
-    return args, mgrpo.load_agent("", args, seed=1), mgrpo.load_agent("", args, seed=2)
+    return args, helpers.load_agent("", args, seed=1), helpers.load_agent("", args, seed=2)
 
 
 def scripted_rollout(agents, plan, questions, monkeypatch):
@@ -57,12 +62,12 @@ def test_the_worked_example_through_the_rollout_and_both_sides(agents, monkeypat
     mains, subs = scripted_rollout(agents, TUTORIAL, Q[:1], monkeypatch)
     assert [len(m.calls) for m in mains] == [0, 1, 2, 4] and len(subs) == 7
     assert [m.ok for m in mains] == [True, True, True, False]
-    r_main, adv_main, exchange, stats = mgrpo.main_side(mains, Q[:1], K, args)
+    r_main, adv_main, exchange, stats = mgrpo.main_side(mains, Q[:1], K, toy_tools, args.w_main_format)
     assert r_main.tolist() == pytest.approx([0.1, 1.0, 1.0, 0.0])                               # eq. 4
     assert adv_main.tolist() == pytest.approx([-0.8923, 0.9972, 0.9972, -1.1022], abs=1e-4)     # eq. 9-10
     assert [(e["rollout"], e["correct"], len(e["subs"])) for e in exchange] == [
         (0, False, 0), (1, True, 1), (2, True, 2), (3, False, 4)]
-    batch, r_sub, adv_sub, st = mgrpo.sub_side(subs, exchange, Q[:1], K, args, random.Random(0))
+    batch, r_sub, adv_sub, st = mgrpo.sub_side(subs, exchange, Q[:1], toy_tools, D, random.Random(0), args.w_sub)
     # the tutorial's aligned slots (3,3) (3,0) (1,0) (1,0) (2,0) (2,1) (3,1) (3,3), as sub-tasks (eq. 11)
     assert [t.task for t in batch] == [f"city of {p}" for p in ("gus", "dex", "ada", "ada", "bo", "cy", "eli", "gus")]
     assert r_sub.tolist() == pytest.approx([0.6, 0.6, 1.0, 1.0, 1.0, 0.5, 0.0, 0.6])           # eq. 5
@@ -84,10 +89,10 @@ def test_a_borrowed_or_duplicated_slot_carries_the_correctness_of_the_rollout_th
     correct = {0: True, 1: False, 2: True, 3: False}
     expert = {"city of cy": 0, "city of fay": 0}
     fmt = {"city of fay": False}
-    _, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, args)
+    _, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, toy_tools, args.w_main_format)
     for seed in range(20):  # many draws of the borrowed and dropped slots
         rng = random.Random(seed)
-        batch, r_sub, adv_sub, _ = mgrpo.sub_side(subs, exchange, Q[:1], K, args, random.Random(seed))
+        batch, r_sub, adv_sub, _ = mgrpo.sub_side(subs, exchange, Q[:1], toy_tools, D, random.Random(seed), args.w_sub)
         pairs = mgrpo.align_sub_trajectories([0, 1, 3, 2], D, rng)
         by_hand = []
         for (k, i), t in zip(pairs, batch):
@@ -118,11 +123,11 @@ def test_groups_are_each_querys_K_rollouts_and_advantages_follow_the_batch(agent
     monkeypatch.setattr(mgrpo, "update_agent", lambda agent, trajs, adv, a: seen.append((trajs, adv)) or {
         "t_fwd": 0.0, "t_bwd": 0.0, "tokens": 1.0, **{k: 0.0 for k in ("clip_frac", "approx_kl", "kl_ref", "grad_norm",
                                                                         "tokens_in", "sequences")}})
-    rng = random.Random(toy_tools.stable_seed(args.seed, "questions", 1))
+    rng = random.Random(tools.stable_seed(args.seed, "questions", 1))
     order = [rng.randrange(2 ** 31) % 2 for _ in range(2)]
     assert order[0] != order[1], "pick a step whose two questions differ"
     search = toy_tools.ToySearch()
-    mgrpo.train_step(main, sub, 1, args, functools.partial(mgrpo.run_sub_agents, sub, args, search), search)
+    mgrpo.train_step(main, sub, 1, args, toy_tools, functools.partial(mgrpo.run_sub_agents, sub, args, search), search)
     (m_trajs, m_adv), (s_trajs, s_adv) = seen
     assert [(t.q, t.k) for t in m_trajs] == [(q, k) for q in range(2) for k in range(K)]
     r = {Q[0].text: [1.0, 1.0, 1.0, 1.0], Q[1].text: [1.0, 0.1, 1.0, 1.0]}
@@ -145,9 +150,9 @@ def test_reward_weights_reach_the_rewards(agents, monkeypatch):
     args = copy.deepcopy(agents[0])
     args.w_main_format, args.w_sub = 0.3, (0.2, 0.3, 0.5)
     mains, subs = scripted_rollout(agents, TUTORIAL, Q[:1], monkeypatch)
-    r_main, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, args)
+    r_main, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, toy_tools, args.w_main_format)
     assert r_main.tolist() == pytest.approx([0.3, 1.0, 1.0, 0.0])
-    _, r_sub, _, _ = mgrpo.sub_side(subs, exchange, Q[:1], K, args, random.Random(0))
+    _, r_sub, _, _ = mgrpo.sub_side(subs, exchange, Q[:1], toy_tools, D, random.Random(0), args.w_sub)
     # slots as in the tutorial: (3,3) (3,0) right fact, M wrong; (1,0) (2,0) right, M right; (2,1) wrong fact
     assert r_sub.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 0.5, 0.0, 0.7])
 
@@ -190,7 +195,7 @@ def _run_steps(agents, monkeypatch, steps, **opts):
     search = toy_tools.ToySearch()
     delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
     for step in range(1, steps + 1):
-        mgrpo.train_step(main, sub, step, args, delegate, search)
+        mgrpo.train_step(main, sub, step, args, toy_tools, delegate, search)
     return args, sub, [u for u in updates if u[0]], batches
 
 
@@ -224,10 +229,10 @@ def test_main_only_leaves_S_bit_identical(agents, monkeypatch):
 def test_single_agent_has_no_sub_agent(tmp_path):
     s = mgrpo.main(["--mode", "single-agent", "--sft-steps", "5", "--steps", "2", "--questions-per-step", "2",
                     "--group-size", "2", "--eval-questions", "4", "--eval-every", "0", "--out", str(tmp_path)])
-    assert s["params"] == sum(p.numel() for p in mgrpo.load_agent(str(tmp_path / "main"), mgrpo.parse_args([]),
+    assert s["params"] == sum(p.numel() for p in helpers.load_agent(str(tmp_path / "main"), mgrpo.parse_args([]),
                                                                      0).model.parameters())
     assert not (tmp_path / "sub").exists()
-    rows = [mgrpo.json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in rows if "eval" not in r]
     assert len(steps) == 2 and all(r["sub_calls"] == 0 and "sub_reward" not in r for r in steps)
 
@@ -258,7 +263,7 @@ def test_padding_on_either_side_scores_like_no_padding(agents, side, positions):
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=len(main.tok), n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
-    rows = [mgrpo.prompt_ids(main, "main", q.text) + [7, 8, 9][:n] for n, q in enumerate(Q + Q)]
+    rows = [prompt_ids(main, "main", q.text) + [7, 8, 9][:n] for n, q in enumerate(Q + Q)]
     L = max(map(len, rows)) + 2
     ids = torch.full((len(rows), L), main.pad_id)
     attn = torch.zeros_like(ids)
@@ -266,9 +271,9 @@ def test_padding_on_either_side_scores_like_no_padding(agents, side, positions):
         span = slice(L - len(r), L) if side == "left" else slice(0, len(r))
         ids[b, span], attn[b, span] = torch.tensor(r), 1
     with torch.no_grad():
-        padded = mgrpo.token_logprobs(model, ids, attn)
+        padded = token_logprobs(model, ids, attn)
         for b, r in enumerate(rows):
-            alone = mgrpo.token_logprobs(model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
+            alone = token_logprobs(model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
             span = slice(L - len(r), L) if side == "left" else slice(0, len(r))
             assert torch.allclose(padded[b, span], alone, atol=1e-5)
             assert padded[b][attn[b] == 0].abs().max() == 0  # padding scores 0

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+import helpers
 import mgrpo
 import toy_tools
 from test_hostile_tools import TAG_IN_ARG, fuzz_strings
@@ -36,8 +37,8 @@ def test_fuzzed_turns_through_the_tool_loop_and_a_training_step(chat, monkeypatc
     args = mgrpo.parse_args(["--sft-steps", "0", "--main-max-turns", "4", "--sub-max-turns", "4",
                              "--max-new-tokens", "64", "--questions-per-step", "4", "--group-size", "4"]
                             + (["--chat", "--model-size", "0.1M"] if chat else []))
-    sub = mgrpo.load_agent("", args, seed=0)
-    main = mgrpo.load_agent("", args, seed=1)
+    sub = helpers.load_agent("", args, seed=0)
+    main = helpers.load_agent("", args, seed=1)
     sampled = []
     monkeypatch.setattr(mgrpo, "generate", scripted(STRINGS, sampled))
     search = toy_tools.ToySearch()
@@ -54,7 +55,7 @@ def test_fuzzed_turns_through_the_tool_loop_and_a_training_step(chat, monkeypatc
     delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
     before = len(sampled)
     for step in range(3):
-        rec = mgrpo.train_step(main, copy.deepcopy(sub) if step else sub, step, args, delegate, search)
+        rec = mgrpo.train_step(main, copy.deepcopy(sub) if step else sub, step, args, toy_tools, delegate, search)
         assert rec["main_reward"] >= 0 and rec["sub_calls"] >= 0
     assert len(sampled) > before
     print(f"{len(sampled)} fuzzed turns, {ok} valid final answers")
@@ -68,7 +69,7 @@ def test_a_tool_that_raises_anything_is_an_observation(monkeypatch, capsys):
         def search(self, query, seed, level):
             raise KeyError(query)
     args = mgrpo.parse_args(["--sft-steps", "0"])
-    sub = mgrpo.load_agent("", args, seed=0)
+    sub = helpers.load_agent("", args, seed=0)
     monkeypatch.setattr(mgrpo, "generate", scripted(["<search> ada </search>", "<return> avon </return>"], []))
     (t,) = mgrpo.run_sub_agents(sub, args, Broken(), ["city of ada"], [toy_tools.make_question(1, 1)], seed=0)
     inserted = sub.tok.decode([i for i, m in zip(t.ids, t.mask) if not m])

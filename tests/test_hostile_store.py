@@ -11,8 +11,13 @@ import time
 import pytest
 import torch
 
+import helpers
+import cold_start
 import mgrpo
-from infra.runtime import checkpoints, load_checkpoint, save_checkpoint
+import toy_tools
+from checkpoints import checkpoints, load_checkpoint, save_checkpoint
+from sampling import token_logprobs
+from store import FileStore, StoreError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = ["--steps", "3", "--sft-steps", "5", "--questions-per-step", "2", "--group-size", "2",
@@ -39,7 +44,7 @@ def fake_peer(store_dir, role, stop, beat=lambda n: {"count": n}, every=0.2):
 
 @pytest.mark.slow
 def test_heartbeat_survives_write_errors_and_stops_the_role_when_they_persist(tmp_path, monkeypatch, capsys):
-    st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=4.0)  # it gives up after 2 s of failures
+    st = FileStore(str(tmp_path), "r", "main", timeout=4.0)  # it gives up after 2 s of failures
     real, failures = st.write, {"n": 0, "until": 2}
 
     def flaky(key, obj):
@@ -59,7 +64,7 @@ def test_heartbeat_survives_write_errors_and_stops_the_role_when_they_persist(tm
         while st.beat_error is None:
             assert time.time() < deadline + 10
             time.sleep(0.05)
-        with pytest.raises(mgrpo.StoreError, match="kept failing"):
+        with pytest.raises(StoreError, match="kept failing"):
             st.put("p000001-done", {})
     finally:
         st.close()
@@ -68,7 +73,7 @@ def test_heartbeat_survives_write_errors_and_stops_the_role_when_they_persist(tm
 @pytest.mark.slow
 def test_staleness_is_judged_on_the_readers_clock(tmp_path):
     """A live peer whose wall clock is two minutes behind (or ahead) is alive: its counter moves."""
-    st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=1.0)
+    st = FileStore(str(tmp_path), "r", "main", timeout=1.0)
     stop = threading.Event()
     for skew in (-120, 120):
         fake_peer(st.dir, "sub", stop, beat=lambda n: {"count": n, "time": time.time() + skew})
@@ -88,13 +93,13 @@ def test_staleness_is_judged_on_the_readers_clock(tmp_path):
     '{"count": ' + '[' * 100000 + ']' * 100000 + '}']])
 def test_a_silent_or_malformed_heartbeat_is_stale_not_a_crash_or_a_hang(tmp_path, beat):
     """None: no peer at all. The peer is named in the error, not waited for."""
-    st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=1.0)
+    st = FileStore(str(tmp_path), "r", "main", timeout=1.0)
     stop = threading.Event()
     if beat is not None:
         fake_peer(st.dir, "sub", stop, beat=lambda n: beat)
     try:
         t0 = time.time()
-        with pytest.raises(mgrpo.StoreError, match="the sub role has sent no heartbeat"):
+        with pytest.raises(StoreError, match="the sub role has sent no heartbeat"):
             st.wait("p000000-t0-results")
         assert time.time() - t0 < 5
     finally:
@@ -104,12 +109,12 @@ def test_a_silent_or_malformed_heartbeat_is_stale_not_a_crash_or_a_hang(tmp_path
 
 @pytest.mark.slow
 def test_a_live_peer_that_never_progresses_is_named(tmp_path):
-    st = mgrpo.FileStore(str(tmp_path), "r", "main", timeout=5.0, progress_timeout=1.5)
+    st = FileStore(str(tmp_path), "r", "main", timeout=5.0, progress_timeout=1.5)
     stop = threading.Event()
     fake_peer(st.dir, "sub", stop, beat=lambda n: {"count": n, "phase": 7})
     try:
         t0 = time.time()
-        with pytest.raises(mgrpo.StoreError, match=r"p000007-t0-results.*stays in phase 7.*--progress-timeout"):
+        with pytest.raises(StoreError, match=r"p000007-t0-results.*stays in phase 7.*--progress-timeout"):
             st.wait("p000007-t0-results")
         assert 1.5 <= time.time() - t0 < 6
     finally:
@@ -118,7 +123,7 @@ def test_a_live_peer_that_never_progresses_is_named(tmp_path):
 
 
 def test_planted_records_give_errors_that_name_the_record_and_the_store(tmp_path):
-    st = mgrpo.FileStore(str(tmp_path), "r", "sub")
+    st = FileStore(str(tmp_path), "r", "sub")
     try:
         plant = {"p000001-t0-tasks": "[1, 2, 3]", "p000001-t1-tasks": "{" * 50000,
                  "p000001-t2-tasks": '{"tasks": ' + "[" * 100000 + "]" * 100000 + "}", "p000001-t3-tasks": "\xff\xfe"}
@@ -130,18 +135,18 @@ def test_planted_records_give_errors_that_name_the_record_and_the_store(tmp_path
         victim.write_text('{"secret": 1}')
         os.symlink(victim, os.path.join(st.dir, "p000001-t5-tasks.json"))
         for key in list(plant) + ["p000001-t4-tasks", "p000001-t5-tasks"]:
-            with pytest.raises(mgrpo.StoreError) as e:
+            with pytest.raises(StoreError) as e:
                 st.read(key)
             assert key in str(e.value) and st.dir in str(e.value)
         # a record that is JSON but not what the peer writes
         for rec in [{"tasks": "city of ada"}, {"tasks": [1], "questions": [[1, 1]], "seed": 0, "greedy": False},
                     {"tasks": ["x"], "questions": [[1, True]], "seed": 0, "greedy": False},
                     {"tasks": ["x", "y"], "questions": [[1, 1]], "seed": 0, "greedy": False}]:
-            with pytest.raises(mgrpo.StoreError, match="p000001-t0-tasks"):
+            with pytest.raises(StoreError, match="p000001-t0-tasks"):
                 mgrpo.store_record(st, "p000001-t0-tasks", rec, mgrpo.tasks_ok)
-        with pytest.raises(mgrpo.StoreError, match="p000001-t0-tasks"):  # a level the task has not
+        with pytest.raises(StoreError, match="p000001-t0-tasks"):  # a level the task has not
             mgrpo.store_record(st, "p000001-t0-tasks", {"tasks": ["x"], "questions": [[1, 9]], "seed": 0,
-                                                         "greedy": False}, mgrpo.tasks_ok, mgrpo.parse_args([]))
+                                                         "greedy": False}, mgrpo.tasks_ok, toy_tools)
         # writing over a planted symlink replaces the link, never the file it points to
         st.put("p000001-t5-tasks", {"tasks": []})
         assert victim.read_text() == '{"secret": 1}' and st.read("p000001-t5-tasks") == {"tasks": []}
@@ -151,9 +156,10 @@ def test_planted_records_give_errors_that_name_the_record_and_the_store(tmp_path
 
 @pytest.mark.slow
 def test_a_second_process_of_the_same_role_is_refused(tmp_path):
-    st = mgrpo.FileStore(str(tmp_path), "r", "main")
+    st = FileStore(str(tmp_path), "r", "main")
     try:
-        code = ("import sys, mgrpo\ntry:\n    mgrpo.FileStore(sys.argv[1], 'r', 'main')\nexcept mgrpo.StoreError as e:\n"
+        code = ("import sys\nfrom store import FileStore, StoreError\ntry:\n    FileStore(sys.argv[1], 'r', 'main')\n"
+                "except StoreError as e:\n"
                 "    print(e); sys.exit(3)\n")
         r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
@@ -187,7 +193,7 @@ def test_a_planted_checkpoint_runs_no_code(tmp_path, monkeypatch, capsys):
 
 
 def load_short(path):  # an agent from a checkpoint folder, as a SHORT run loads it
-    return mgrpo.load_agent(path, mgrpo.parse_args(SHORT), seed=0)
+    return helpers.load_agent(path, mgrpo.parse_args(SHORT), seed=0)
 
 
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
@@ -196,7 +202,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
     before, latest = checkpoints(str(out))
     with open(os.path.join(latest, "state.pt"), "wb") as f:
         f.write(b"\x00 not a checkpoint")
-    agents, index, lines, _ = load_checkpoint(str(out), ["main", "sub"], load_short, mgrpo.Traj)
+    agents, index, lines, _ = load_checkpoint(str(out), ["main", "sub"], load_short)
     assert "cannot be loaded" in capsys.readouterr().out
     assert index == int(os.path.basename(before)[5:]) and set(agents) == {"main", "sub"}
 
@@ -204,7 +210,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, caps
 def test_a_killed_save_leaves_nothing_that_breaks_later_saves(tmp_path, monkeypatch):
     out = tmp_path / "run"
     mgrpo.main(SHORT + ["--out", str(out)])
-    agents, index, lines, _ = load_checkpoint(str(out), ["main", "sub"], load_short, mgrpo.Traj)
+    agents, index, lines, _ = load_checkpoint(str(out), ["main", "sub"], load_short)
     real = torch.save
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):  # killed midway: weights written, state not
@@ -220,12 +226,12 @@ def test_a_killed_save_leaves_nothing_that_breaks_later_saves(tmp_path, monkeypa
 
 def test_a_non_finite_cold_start_stops_before_any_checkpoint(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    real, calls = mgrpo.token_logprobs, []
+    real, calls = token_logprobs, []
 
     def diverging(*a, **k):  # the cold start's loss turns NaN at its third step
         calls.append(1)
         return real(*a, **k) * (float("nan") if len(calls) == 3 else 1.0)
-    monkeypatch.setattr(mgrpo, "token_logprobs", diverging)
+    monkeypatch.setattr(cold_start, "token_logprobs", diverging)
     with pytest.raises(FloatingPointError, match="cold start"):
         mgrpo.main(SHORT + ["--sft-steps", "20", "--out", str(out)])
     assert checkpoints(str(out)) == []

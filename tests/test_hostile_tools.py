@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import tools
 import toy_tools as tt
 
 WHO = ("main", "sub", "single")
@@ -72,42 +73,42 @@ def test_a_lone_surrogate_argument_is_format_zero_and_seeds_take_any_str():
     stable_seed and tokenizers: such an argument is invalid."""
     for body in ('{"name": "search", "arguments": {"query": "ada \\ud800"}}',
                  '{"name": "visit", "arguments": {"url": "http://x/\\udfff"}}'):
-        assert tt.parse_chat_action(f"<tool_call>{body}</tool_call>", "sub") is None
-    assert tt.parse_chat_action("<answer> a\ud800 </answer>", "main") is None
-    assert tt.parse_action("<search> ada\udc80 </search>", tt.SUB_TAGS) is None
+        assert tools.parse_chat_action(f"<tool_call>{body}</tool_call>", "sub") is None
+    assert tools.parse_chat_action("<answer> a\ud800 </answer>", "main") is None
+    assert tools.parse_action("<search> ada\udc80 </search>", tools.TAGS["sub"]) is None
     for parts in [("\ud800",), (1, "sub", "\udfff\ud800", 3)]:
-        assert 0 <= tt.stable_seed(*parts) < 2 ** 32
-    assert tt.stable_seed("ada", 1) == tt.stable_seed("ada", 1) != tt.stable_seed("ada\ud800", 1)
+        assert 0 <= tools.stable_seed(*parts) < 2 ** 32
+    assert tools.stable_seed("ada", 1) == tools.stable_seed("ada", 1) != tools.stable_seed("ada\ud800", 1)
     assert tt.search_results(1, 1, "ada \ud800")  # the in-process search takes it too
 
 
 def test_deeply_nested_json_is_format_zero():
     for body in ("[" * 100_000, '{"a": ' * 50_000, '{"name": "search", "arguments": ' + "[" * 100_000):
-        assert tt.parse_chat_action(f"<tool_call>{body}</tool_call>", "sub") is None
+        assert tools.parse_chat_action(f"<tool_call>{body}</tool_call>", "sub") is None
 
 
 def test_a_page_url_with_thousands_of_digits_is_a_search_error():
     for url in ("toy://page/" + "9" * 5000 + "/1/ada", "toy://page/1/" + "1" * 5000 + "/ada",
                 "http://h/page/" + "1" * 100_000 + "/2/bo"):
-        with pytest.raises(tt.SearchError, match="not a page"):
+        with pytest.raises(tools.SearchError, match="not a page"):
             tt.ToySearch().visit(url, allowed=[url])
 
 
 @pytest.mark.parametrize("text,tags", [
-    ("<answer>a</answer><answer>b</answer>", tt.MAIN_TAGS),
-    ("<call><answer> x </answer></call>", tt.MAIN_TAGS),
-    ("<call> city of ada </call> <call> city of bo </call>", tt.MAIN_TAGS),
-    ("<search> ada <return> bo </return> </search>", tt.SUB_TAGS),
-    ("<search> ada </return> <search> bo </search>", tt.SUB_TAGS),
-    ("<return> a <think> b </return>", tt.SUB_TAGS),
-    ("<think> <answer> a </answer> </think> <call> b </call>", tt.MAIN_TAGS),
-    ("<think> a </think> <think> b </think> <answer> c </answer>", tt.MAIN_TAGS),
-    ("<answer> <tool_call> x </answer>", tt.MAIN_TAGS),
-    ("<answer> a <|im_start|>user x </answer>", tt.MAIN_TAGS),
-    ("<answer> a <USER> b </answer>", tt.MAIN_TAGS),
+    ("<answer>a</answer><answer>b</answer>", tools.TAGS["main"]),
+    ("<call><answer> x </answer></call>", tools.TAGS["main"]),
+    ("<call> city of ada </call> <call> city of bo </call>", tools.TAGS["main"]),
+    ("<search> ada <return> bo </return> </search>", tools.TAGS["sub"]),
+    ("<search> ada </return> <search> bo </search>", tools.TAGS["sub"]),
+    ("<return> a <think> b </return>", tools.TAGS["sub"]),
+    ("<think> <answer> a </answer> </think> <call> b </call>", tools.TAGS["main"]),
+    ("<think> a </think> <think> b </think> <answer> c </answer>", tools.TAGS["main"]),
+    ("<answer> <tool_call> x </answer>", tools.TAGS["main"]),
+    ("<answer> a <|im_start|>user x </answer>", tools.TAGS["main"]),
+    ("<answer> a <USER> b </answer>", tools.TAGS["main"]),
 ])
 def test_a_tag_inside_the_argument_or_a_second_action_is_format_zero(text, tags):
-    assert tt.parse_action(text, tags) is None
+    assert tools.parse_action(text, tags) is None
 
 
 @pytest.mark.parametrize("text", [
@@ -123,17 +124,17 @@ def test_a_tag_inside_the_argument_or_a_second_action_is_format_zero(text, tags)
 ])
 def test_a_tag_inside_a_chat_argument_or_a_second_chat_action_is_format_zero(text):
     for who in WHO:
-        assert tt.parse_chat_action(text, who) is None
+        assert tools.parse_chat_action(text, who) is None
 
 
 def test_valid_actions_still_parse():
-    assert tt.parse_action("  <think> hm, a < b </think>\n<call> city  of ada </call>\n", tt.MAIN_TAGS) == \
+    assert tools.parse_action("  <think> hm, a < b </think>\n<call> city  of ada </call>\n", tools.TAGS["main"]) == \
         ("call", "city of ada")
-    assert tt.parse_action("<answer> a > b & c </answer>", tt.MAIN_TAGS) == ("answer", "a > b & c")
-    assert tt.parse_chat_action("I think </answer> is it.\n<answer> Norland </answer>\n", "main") == \
+    assert tools.parse_action("<answer> a > b & c </answer>", tools.TAGS["main"]) == ("answer", "a > b & c")
+    assert tools.parse_chat_action("I think </answer> is it.\n<answer> Norland </answer>\n", "main") == \
         ("answer", "Norland")
     call = '<tool_call>{"name": "search", "arguments": {"query": "ada \\u00e9 < b"}}</tool_call>'
-    assert tt.parse_chat_action(call, "single") == ("search", "ada \u00e9 < b")
+    assert tools.parse_chat_action(call, "single") == ("search", "ada \u00e9 < b")
 
 
 ADVERSARIAL_ACTIONS = {  # text of n characters -> a turn that made the old regexes backtrack, or could
@@ -171,8 +172,8 @@ def test_parsers_and_html_text_take_linear_time(name):
     """1 MB of adversarial text in seconds at most, and 4x the text takes well under the 16x of a
     quadratic scan (the bounds leave room for a busy machine)."""
     make = ADVERSARIAL_ACTIONS.get(name) or ADVERSARIAL_PAGES[name]
-    fs = ([lambda s: tt.parse_action(s, tt.MAIN_TAGS), lambda s: tt.parse_chat_action(s, "sub")]
-          if name in ADVERSARIAL_ACTIONS else [tt.html_text])
+    fs = ([lambda s: tools.parse_action(s, tools.TAGS["main"]), lambda s: tools.parse_chat_action(s, "sub")]
+          if name in ADVERSARIAL_ACTIONS else [tools.html_text])
     for f in fs:
         assert _seconds(f, make(64_000)) < 1.0  # a quadratic scan takes seconds here already
         quarter, whole = _seconds(f, make(250_000)), _seconds(f, make(1_000_000))
@@ -180,11 +181,11 @@ def test_parsers_and_html_text_take_linear_time(name):
 
 
 def test_html_text_of_hostile_pages():
-    assert tt.html_text("&#" + "9" * 5000 + "; a &#65; &#x110000;") == "\ufffd a A \ufffd"
-    assert tt.html_text("a <script> x <b>b</b> c") == "a x b c"  # never closed: only its tag goes
-    assert tt.html_text("<SCRIPT>x()</script >y</SCRIPT>z<p>1 <> 2</p> 3 < 4") == "z 1 <> 2 3 < 4"
-    assert tt.html_text("a <!-- b < c --> d < e") == "a d < e"  # a tag ends at the first '>', as before
-    assert tt.html_text("<header>h</header><head>x</head>b") == "h b"
+    assert tools.html_text("&#" + "9" * 5000 + "; a &#65; &#x110000;") == "\ufffd a A \ufffd"
+    assert tools.html_text("a <script> x <b>b</b> c") == "a x b c"  # never closed: only its tag goes
+    assert tools.html_text("<SCRIPT>x()</script >y</SCRIPT>z<p>1 <> 2</p> 3 < 4") == "z 1 <> 2 3 < 4"
+    assert tools.html_text("a <!-- b < c --> d < e") == "a d < e"  # a tag ends at the first '>', as before
+    assert tools.html_text("<header>h</header><head>x</head>b") == "h b"
 
 
 def test_a_trickling_server_cannot_hold_a_request():
@@ -199,10 +200,10 @@ def test_a_trickling_server_cannot_hold_a_request():
             h.wfile.flush()
             time.sleep(0.2)
     with serving(trickle) as (url, _):
-        for call in (lambda: tt.HttpSearch(url, timeout=0.5, retries=0).search("ada", 1, 1),
-                     lambda: tt.HttpSearch(url, timeout=0.5, retries=0, visit_hosts={"127.0.0.1"}).visit(url + "/p")):
+        for call in (lambda: tools.HttpSearch(url, timeout=0.5, retries=0).search("ada", 1, 1),
+                     lambda: tools.HttpSearch(url, timeout=0.5, retries=0, visit_hosts={"127.0.0.1"}).visit(url + "/p")):
             t0 = time.monotonic()
-            with pytest.raises(tt.SearchError, match="Timeout"):
+            with pytest.raises(tools.SearchError, match="Timeout"):
                 call()
             assert time.monotonic() - t0 < 1.5
 
@@ -220,16 +221,16 @@ def test_responses_and_pages_are_capped():
         else:
             answer(h, 200, "word " * 1_000_000, Content_Type="text/plain")
     with serving(respond) as (url, _):
-        search = tt.HttpSearch(url, retries=0, max_bytes=100_000, visit_hosts={"127.0.0.1"})
-        with pytest.raises(tt.SearchError, match="over 100000 bytes"):
+        search = tools.HttpSearch(url, retries=0, max_bytes=100_000, visit_hosts={"127.0.0.1"})
+        with pytest.raises(tools.SearchError, match="over 100000 bytes"):
             search.search("ada", 1, 1)
         page = search.visit(url + "/page", max_chars=10 ** 9)
         assert 90_000 < len(page) <= 100_000 and set(page.split()) == {"word"}
-        with pytest.raises(tt.SearchError, match="compressed"):
+        with pytest.raises(tools.SearchError, match="compressed"):
             search.visit(url + "/gzip")
-        with pytest.raises(tt.SearchError, match="over 2000000 bytes"):  # the default cap
-            tt.HttpSearch(url, retries=0).search("ada", 1, 1)
-        assert len(tt.HttpSearch(url, retries=0, max_bytes=10 ** 7).search("ada", 1, 1)[0]["content"]) == 5_000_000
+        with pytest.raises(tools.SearchError, match="over 2000000 bytes"):  # the default cap
+            tools.HttpSearch(url, retries=0).search("ada", 1, 1)
+        assert len(tools.HttpSearch(url, retries=0, max_bytes=10 ** 7).search("ada", 1, 1)[0]["content"]) == 5_000_000
 
 
 @pytest.mark.parametrize("body", [
@@ -252,8 +253,8 @@ def test_responses_and_pages_are_capped():
 def test_wrongly_typed_or_deeply_nested_results_are_search_errors(body):
     text = body if isinstance(body, str) else json.dumps(body)
     with serving(lambda h: answer(h, 200, text)) as (url, _):
-        with pytest.raises(tt.SearchError, match="no SearXNG-style results"):
-            tt.HttpSearch(url, retries=0).search("ada", 1, 1)
+        with pytest.raises(tools.SearchError, match="no SearXNG-style results"):
+            tools.HttpSearch(url, retries=0).search("ada", 1, 1)
 
 
 def test_outside_text_comes_back_as_valid_utf8():
@@ -269,36 +270,36 @@ def test_outside_text_comes_back_as_valid_utf8():
         ctype, data = pages.get(h.path, ("application/json", body.encode()))
         answer(h, 200, data, Content_Type=ctype)
     with serving(respond) as (url, _):
-        results = tt.HttpSearch(url, retries=0).search("ada \ud800", 1, 1)  # the query too: no UnicodeEncodeError
+        results = tools.HttpSearch(url, retries=0).search("ada \ud800", 1, 1)  # the query too: no UnicodeEncodeError
         assert [r["content"] for r in results] == ["a?b", ""] and results[1] == {"url": "v", "title": "", "content": ""}
-        texts = [tt.HttpSearch(url, retries=0, visit_hosts={"127.0.0.1"}).visit(url + p) for p in pages]
+        texts = [tools.HttpSearch(url, retries=0, visit_hosts={"127.0.0.1"}).visit(url + p) for p in pages]
         assert texts[1:3] == ["caf\u00e9", "caf\u00e9"]
-    for s in texts + [tt.search_observation(results), tt.search_observation(results, chat=True),
-                      tt.search_observation([{"url": "\ud800", "title": "t\udc80", "content": "\udfff"}], chat=True)]:
+    for s in texts + [tools.search_observation(results), tools.search_observation(results, chat=True),
+                      tools.search_observation([{"url": "\ud800", "title": "t\udc80", "content": "\udfff"}], chat=True)]:
         assert isinstance(s, str) and utf8_ok(s), s
 
 
 def test_visit_fetches_only_the_trajectorys_own_results(server_url):
-    http, local = tt.HttpSearch(server_url, retries=0, timeout=2), tt.ToySearch()
+    http, local = tools.HttpSearch(server_url, retries=0, timeout=2), tt.ToySearch()
     results = http.search("ada", 1, 1)
     page, urls = results[0]["url"], [r["url"] for r in results]
     assert http.visit(page, allowed=urls).startswith(results[0]["title"] + ".")
     for url in (page, server_url + "/page/1/1/bo", "http://169.254.169.254/latest/meta-data/",
                 "http://127.0.0.1:9/", "http://localhost:22/", "https://example.com/"):
-        with pytest.raises(tt.SearchError, match="not among this trajectory's search results"):
+        with pytest.raises(tools.SearchError, match="not among this trajectory's search results"):
             http.visit(url)  # nothing is allowed by default
-        with pytest.raises(tt.SearchError, match="not among this trajectory's search results"):
+        with pytest.raises(tools.SearchError, match="not among this trajectory's search results"):
             http.visit(url, allowed=[u for u in urls if u != url])
     toy = local.search("ada", 1, 1)[0]["url"]
-    with pytest.raises(tt.SearchError, match="not among"):
+    with pytest.raises(tools.SearchError, match="not among"):
         local.visit(toy)
     assert local.visit(toy, allowed={toy}) == http.visit(page, allowed={page})
     # hosts the user allows: any page there, but a URL that merely names the host is not on it
-    trusting = tt.HttpSearch(server_url, retries=0, timeout=2, visit_hosts={"127.0.0.1"})
+    trusting = tools.HttpSearch(server_url, retries=0, timeout=2, visit_hosts={"127.0.0.1"})
     assert trusting.visit(server_url + "/page/1/1/bo").startswith("bo. bo lives")
     for sneaky in ("http://evil.invalid\\@127.0.0.1/page/1/1/bo", "http://127.0.0.1@evil.invalid/page/1/1/bo",
                    "http://127.0.0.1.evil.invalid/"):
-        with pytest.raises(tt.SearchError, match="not among"):
+        with pytest.raises(tools.SearchError, match="not among"):
             trusting.visit(sneaky)
 
 
@@ -313,18 +314,18 @@ def test_redirects_stay_on_the_same_host_and_are_few():
         else:
             answer(h, 200, "<p>the page</p>", Content_Type="text/html")
     with serving(respond) as (url, H):
-        search = tt.HttpSearch(url, retries=0, timeout=2)
+        search = tools.HttpSearch(url, retries=0, timeout=2)
         for path in ("/elsewhere", "/other-port", "/userinfo", "/downgrade"):
-            with pytest.raises(tt.SearchError, match="redirects elsewhere"):
+            with pytest.raises(tools.SearchError, match="redirects elsewhere"):
                 search.visit(url + path, allowed=[url + path])
         assert search.visit(url + "/hop", allowed=[url + "/hop"]) == "the page"  # relative, same host
         H.calls = 0
-        with pytest.raises(tt.SearchError, match="too often"):
+        with pytest.raises(tools.SearchError, match="too often"):
             search.visit(url + "/loop", allowed=[url + "/loop"])
         assert H.calls == 4  # the first request and 3 redirects
-        with pytest.raises(tt.SearchError, match="not reachable"):  # up to https is allowed (nothing listens)
+        with pytest.raises(tools.SearchError, match="not reachable"):  # up to https is allowed (nothing listens)
             search.visit(url + "/https", allowed=[url + "/https"])
-        with pytest.raises(tt.SearchError, match="answered 302"):  # a search follows none
+        with pytest.raises(tools.SearchError, match="answered 302"):  # a search follows none
             search.search("ada", 1, 1)
 
 
@@ -360,7 +361,7 @@ def _valid_actions():
     out = []
     for tag in ("call", "answer", "search", "return", "visit"):
         for arg in ("city of ada", "bo", "toy://page/1/1/ada", "norland", "a \u00e9 b", "x y z"):
-            out += [tt.action_text(tag, arg), tt.action_text(tag, arg, chat=True)]
+            out += [tools.action_text(tag, arg), tools.action_text(tag, arg, chat=True)]
     return out
 
 
@@ -418,7 +419,7 @@ def fuzz_strings():
     out += [" " * n + "<answer> a </answer>", "<think>" * (n // 7), "<" * n, "<script" * (n // 7),
             "<tool_call>" + "[" * (n // 5) + "</tool_call>", "<answer> " + "a" * n + " </answer>",
             "&#" + "9" * 100_000, "\ud800" * 100_000, "<call>" + "</call> " * (n // 8) + "x",
-            tt.action_text("search", "ada " * 50_000, chat=True)]
+            tools.action_text("search", "ada " * 50_000, chat=True)]
     return out
 
 
@@ -436,14 +437,14 @@ def test_fuzz_every_parser_checker_and_tool_with_hostile_strings():
         calls += 1
         try:
             v = f()
-        except tt.SearchError as e:
+        except tools.SearchError as e:
             v = e
             if not name.startswith("ToySearch.") or not utf8_ok(str(e)):
                 failures.append((name, "SearchError", str(e)[:80].encode("utf-8", "replace"), s[:80]))
         except Exception as e:  # the whole point: nothing else may escape
             failures.append((name, type(e).__name__, str(e)[:80], s[:80]))
             return None
-        if not isinstance(v, tt.SearchError) and not ok(v):
+        if not isinstance(v, tools.SearchError) and not ok(v):
             failures.append((name, "bad value", f"{v!r:.80}", s[:80]))
         return v
 
@@ -457,26 +458,26 @@ def test_fuzz_every_parser_checker_and_tool_with_hostile_strings():
 
     for s in strings:
         for who in WHO:
-            tags = tt.TAGS[who]
-            v = check("parse_action", lambda: tt.parse_action(s, tags),
-                      lambda v: action_ok(v, lambda t, a: tt.parse_action(tt.action_text(t, a), tags)))
-            w = check("parse_chat_action", lambda: tt.parse_chat_action(s, who),
-                      lambda v: action_ok(v, lambda t, a: tt.parse_chat_action(tt.action_text(t, a, chat=True), who)))
+            tags = tools.TAGS[who]
+            v = check("parse_action", lambda: tools.parse_action(s, tags),
+                      lambda v: action_ok(v, lambda t, a: tools.parse_action(tools.action_text(t, a), tags)))
+            w = check("parse_chat_action", lambda: tools.parse_chat_action(s, who),
+                      lambda v: action_ok(v, lambda t, a: tools.parse_chat_action(tools.action_text(t, a, chat=True), who)))
             parsed += (v is not None) + (w is not None)
         check("parse_subtask", lambda: tt.parse_subtask(s),
               lambda v: v is None or (v[0] in tt.RELATIONS and isinstance(v[1], str)))
         check("answer_correct", lambda: tt.answer_correct(q, s), lambda v: v in (True, False))
         check("expert_score", lambda: tt.expert_score(q, s, s), lambda v: v in (0.0, 1.0))
-        check("stable_seed", lambda: tt.stable_seed(s, 1, "sub", s), lambda v: 0 <= v < 2 ** 32)
+        check("stable_seed", lambda: tools.stable_seed(s, 1, "sub", s), lambda v: 0 <= v < 2 ** 32)
         results = check("search_results", lambda: tt.search_results(q.seed, q.level, s),
                         lambda v: len(v) == tt.N_SNIPPETS[q.level])
         check("ToySearch.search", lambda: toy.search(s, 5, 1), lambda v: len(v) == tt.N_SNIPPETS[1])
-        check("search_observation", lambda: tt.search_observation(results, chat=len(s) % 2 == 0), utf8_ok)
-        check("search_observation(s)", lambda: tt.search_observation([{"url": s, "title": s, "content": s}], True),
+        check("search_observation", lambda: tools.search_observation(results, chat=len(s) % 2 == 0), utf8_ok)
+        check("search_observation(s)", lambda: tools.search_observation([{"url": s, "title": s, "content": s}], True),
               utf8_ok)
         check("ToySearch.visit", lambda: toy.visit(s), lambda v: False)  # never allowed
         check("ToySearch.visit allowed", lambda: toy.visit(s, allowed={s}), utf8_ok)
-        check("html_text", lambda: tt.html_text(s), lambda v: isinstance(v, str))
+        check("html_text", lambda: tools.html_text(s), lambda v: isinstance(v, str))
     kinds = collections.Counter(f[:2] for f in failures)
     assert not failures, f"{len(failures)} failures: {dict(kinds)}; e.g. {failures[:3]}"
     assert calls == 17 * len(strings) and parsed > 500  # some mutations stay valid: both paths are exercised

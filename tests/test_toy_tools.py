@@ -7,6 +7,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import agents
+import tools
 import toy_tools as tt
 
 
@@ -54,7 +56,7 @@ def test_level_2_results_are_long_and_noisy():
 
 
 def test_in_process_and_http_agree(server_url):
-    local, http = tt.ToySearch(), tt.HttpSearch(server_url)
+    local, http = tt.ToySearch(), tools.HttpSearch(server_url)
     for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 1, "avon"), (4, 2, "city of ada"), (5, 1, "???")]:
         over_http = http.search(query, seed, level)
         for r in over_http:  # the server points the results at its own pages
@@ -64,22 +66,22 @@ def test_in_process_and_http_agree(server_url):
 
 
 def test_visit_reads_a_result_page_in_process_and_over_http(server_url):
-    local, http = tt.ToySearch(), tt.HttpSearch(server_url, retries=0)
+    local, http = tt.ToySearch(), tools.HttpSearch(server_url, retries=0)
     for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 2, "avon")]:
         for a, b in zip(local.search(query, seed, level), http.search(query, seed, level)):
             page = http.visit(b["url"], allowed={b["url"]})  # a URL of the trajectory's own results
             assert page == local.visit(a["url"], allowed=[a["url"]]) and b["content"] + "." in page  # same text
     assert len(http.visit(b["url"], max_chars=7, allowed=[b["url"]])) == 7
     for bad in ("file:///etc/passwd", "toy://page/1/1/ada", "ftp://x"):
-        with pytest.raises(tt.SearchError, match="only http"):
+        with pytest.raises(tools.SearchError, match="only http"):
             http.visit(bad, allowed=[bad])
     nobody = server_url + "/page/1/1/nobody"
-    with pytest.raises(tt.SearchError, match="404"):
+    with pytest.raises(tools.SearchError, match="404"):
         http.visit(nobody, allowed=[nobody])
-    with pytest.raises(tt.SearchError, match="not a page"):
+    with pytest.raises(tools.SearchError, match="not a page"):
         local.visit("http://example.com/", allowed=["http://example.com/"])
     html = "<html><head><title>T</title><style>p {}</style></head><body><script>x()</script><p>a &amp; b</p>c</body>"
-    assert tt.html_text(html) == "a & b c"
+    assert tools.html_text(html) == "a & b c"
 
 
 def test_http_bad_request_and_down_server(server_url):
@@ -87,9 +89,9 @@ def test_http_bad_request_and_down_server(server_url):
     r = requests.get(f"{server_url}/search", params={"q": "ada", "kb": "x"}, timeout=5)
     assert r.status_code == 400 and "error" in r.json()
     with pytest.raises(RuntimeError, match="answered 400"):
-        tt.HttpSearch(server_url).search("ada", 1, 7)
+        tools.HttpSearch(server_url).search("ada", 1, 7)
     with pytest.raises(RuntimeError, match="not reachable"):
-        tt.HttpSearch("http://127.0.0.1:9", timeout=2).search("ada", 1, 1)
+        tools.HttpSearch("http://127.0.0.1:9", timeout=2).search("ada", 1, 1)
 
 
 def serve(handler):
@@ -117,7 +119,7 @@ def test_http_client_retries_server_errors_then_succeeds():
     ok = json.dumps({"results": [{"url": "u", "title": "t", "content": "ada lives avon"}, {"url": "v"}]})
     url, srv, h = serve(lambda n: (503, "busy") if n < 3 else (200, ok))
     try:
-        res = tt.HttpSearch(url, timeout=5, retries=2, backoff=0.01).search("ada", 1, 1)
+        res = tools.HttpSearch(url, timeout=5, retries=2, backoff=0.01).search("ada", 1, 1)
     finally:
         srv.shutdown()
     assert h.calls == 3
@@ -127,15 +129,15 @@ def test_http_client_retries_server_errors_then_succeeds():
 def test_http_client_errors_are_clear_and_not_retried_when_final():
     url, srv, h = serve(lambda n: (404, "no such thing"))
     try:
-        with pytest.raises(tt.SearchError, match="answered 404"):
-            tt.HttpSearch(url, retries=3, backoff=0.01).search("ada", 1, 1)
+        with pytest.raises(tools.SearchError, match="answered 404"):
+            tools.HttpSearch(url, retries=3, backoff=0.01).search("ada", 1, 1)
         assert h.calls == 1  # a 4xx is the request's fault: retrying would not help
     finally:
         srv.shutdown()
     url, srv, h = serve(lambda n: (200, "<html>not json</html>"))
     try:
-        with pytest.raises(tt.SearchError, match="no SearXNG-style results"):
-            tt.HttpSearch(url).search("ada", 1, 1)
+        with pytest.raises(tools.SearchError, match="no SearXNG-style results"):
+            tools.HttpSearch(url).search("ada", 1, 1)
     finally:
         srv.shutdown()
 
@@ -147,8 +149,8 @@ def test_http_client_gives_up_on_a_hanging_server():
     url, srv, h = serve(hang)
     try:
         t0 = time.time()
-        with pytest.raises(tt.SearchError, match="ReadTimeout"):
-            tt.HttpSearch(url, timeout=0.2, retries=1, backoff=0.01).search("ada", 1, 1)
+        with pytest.raises(tools.SearchError, match="ReadTimeout"):
+            tools.HttpSearch(url, timeout=0.2, retries=1, backoff=0.01).search("ada", 1, 1)
         assert time.time() - t0 < 1.5 and h.calls == 2
     finally:
         srv.shutdown()
@@ -169,13 +171,13 @@ def test_reward_checkers():
 
 
 def test_noisy_demos_are_noisy_and_in_vocabulary():
-    tok = tt.word_tokenizer()
+    tok = agents.word_tokenizer(tt.WORDS)
     rng = random.Random(0)
     right = []
     for s in range(400):
         q = tt.make_question(s, 1 + s % 2)
         msgs = tt.main_demo(q, rng, 0.1)
-        right.append(tt.answer_correct(q, tt.parse_action(msgs[-1]["content"], tt.MAIN_TAGS)[1]))
+        right.append(tt.answer_correct(q, tools.parse_action(msgs[-1]["content"], tools.TAGS["main"])[1]))
         for m in msgs + tt.sub_demo(q, rng, 0.1):
             assert tok.unk_token_id not in tok(m["content"]).input_ids
     assert 0.55 < sum(right) / len(right) < 0.85  # about a third of the demos end wrong

@@ -1,4 +1,5 @@
 """End to end: the command line, its outputs, reproducibility, and a run that learns."""
+import dataclasses
 import json
 import math
 import os
@@ -11,10 +12,16 @@ import time
 
 import pytest
 import torch
+import transformers
 
+import cold_start
+import helpers
 import mgrpo
-from infra.runtime import checkpoints
+import tools
 import toy_tools
+from agents import prompt_ids
+from checkpoints import checkpoints
+from cold_start import encode_demo
 
 TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "t_store", "t_update", "t_train_main", "t_train_sub", "t_gen_sub",
           "gen_tokens_per_s", "train_tokens_per_s")
@@ -53,8 +60,8 @@ def test_short_run_writes_everything(tmp_path):
     # the trained agents load back through the ordinary Hugging Face path
     args = mgrpo.parse_args([])
     for name in ("main", "sub"):
-        agent = mgrpo.load_agent(os.path.join(out, name), args, seed=0)
-        assert agent.tok.decode(mgrpo.prompt_ids(agent, name, "city of ada")) == "<user> city of ada <assistant>"
+        agent = helpers.load_agent(os.path.join(out, name), args, seed=0)
+        assert agent.tok.decode(prompt_ids(agent, name, "city of ada")) == "<user> city of ada <assistant>"
 
 
 def test_bad_arguments_fail_clearly(capsys):
@@ -85,7 +92,7 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     after the cold start; below the bar, another --sft-steps on new demos, at most 3 times."""
     calls, score = [], [0.0]
 
-    def fake_evaluate(main, args, delegate, search, greedy=False, first=mgrpo.EVAL_SEED):
+    def fake_evaluate(main, args, task, delegate, search, greedy=False, first=mgrpo.EVAL_SEED):
         calls.append((args.level, args.eval_questions, greedy, first))
         return score[0]
     monkeypatch.setattr(mgrpo, "evaluate", fake_evaluate)
@@ -122,14 +129,14 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
     base = ["--steps", "2", "--sft-steps", "5", "--sft-batch", "4", "--model-size", "0.1M", "--sft-levels", "1,2",
             "--eval-every", "0", "--questions-per-step", "2", "--group-size", "2", "--sft-until", "0.9"]
     whole = mgrpo.main(base + ["--out", str(tmp_path / "whole")])
-    real, rounds, kill = mgrpo.cold_start_all, [], [True]
+    real, rounds, kill = cold_start.cold_start_all, [], [True]
 
-    def killed_once_in_round_3(agents, kinds, steps, args, more=0):
+    def killed_once_in_round_3(agents, steps, args, task, more=0):
         rounds.append(more)
         if more == 2 and kill and kill.pop():
             raise KeyboardInterrupt
-        return real(agents, kinds, steps, args, more)
-    monkeypatch.setattr(mgrpo, "cold_start_all", killed_once_in_round_3)
+        return real(agents, steps, args, task, more)
+    monkeypatch.setattr(cold_start, "cold_start_all", killed_once_in_round_3)
     with pytest.raises(KeyboardInterrupt):
         mgrpo.main(base + ["--out", str(tmp_path / "cut")])
     assert rounds == [0, 1, 2]
@@ -140,7 +147,7 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
     assert resumed["sft_check"] == whole["sft_check"] == {"passed": False, "rounds": 4, "greedy": {"1": 0.0, "2": 0.0}}
     assert metrics(tmp_path / "cut") == metrics(tmp_path / "whole")
     for n in ("main", "sub"):
-        a, b = (mgrpo.AutoModelForCausalLM.from_pretrained(tmp_path / run / n).state_dict() for run in ("whole", "cut"))
+        a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / run / n).state_dict() for run in ("whole", "cut"))
         assert all(torch.equal(a[k], b[k]) for k in a)
     # resumed without --sft-until: the two rounds behind it are its cold start
     rounds.clear()
@@ -165,7 +172,7 @@ def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_di
     """The single-agent baseline searches for itself: each search's eight level-2 snippets
     enter its own context with mask 0 (the cold-started sub-agent stands in: it searches)."""
     args = mgrpo.parse_args(["--mode", "single-agent", "--level", "2", "--sft-steps", "0"])
-    agent = mgrpo.load_agent(cold_start_dir["sub"], args, seed=0)
+    agent = helpers.load_agent(cold_start_dir["sub"], args, seed=0)
     qs = [toy_tools.make_question(s, 2) for s in range(4)]
     trajs, subs = mgrpo.rollout(agent, qs, 2, args, 0, search=toy_tools.ToySearch())
     assert subs == [] and [(t.q, t.k) for t in trajs] == [(q, k) for q in range(4) for k in range(2)]
@@ -184,9 +191,9 @@ def test_failed_search_is_an_observation_not_a_crash(cold_start_dir):
     """A backend that fails during a rollout: S reads the error as the search's result."""
     class Down:
         def search(self, query, seed, level):
-            raise toy_tools.SearchError("search server http://x answered 503: busy (after 3 tries)")
+            raise tools.SearchError("search server http://x answered 503: busy (after 3 tries)")
     args = mgrpo.parse_args(["--sft-steps", "0"])
-    sub = mgrpo.load_agent(cold_start_dir["sub"], args, seed=0)
+    sub = helpers.load_agent(cold_start_dir["sub"], args, seed=0)
     qs = [toy_tools.make_question(s, 1) for s in range(4)]
     trajs = mgrpo.run_sub_agents(sub, args, Down(), [f"city of {q.text.split()[-2]}" for q in qs], qs, seed=0)
     tool_msgs = [sub.tok.decode([i for i, m in zip(t.ids, t.mask) if not m]) for t in trajs]
@@ -199,11 +206,11 @@ def test_failed_search_is_an_observation_not_a_crash(cold_start_dir):
 def test_main_context_stays_short_single_agent_context_grows():
     """What delegation buys at level 2: M reads one word per sub-task; a single agent
     reads every result list (scripted demos, so the count is exact)."""
-    agent = mgrpo.load_agent("", mgrpo.parse_args([]), seed=0)
+    agent = helpers.load_agent("", mgrpo.parse_args([]), seed=0)
     q = toy_tools.make_question(9, 2)
     rng = random.Random(0)
-    main_len = len(mgrpo.encode_demo(agent, toy_tools.main_demo(q, rng, 0.0), "main").ids)
-    single_len = len(mgrpo.encode_demo(agent, toy_tools.single_demo(q, rng, 0.0), "single").ids)
+    main_len = len(encode_demo(agent, toy_tools.main_demo(q, rng, 0.0), "main").ids)
+    single_len = len(encode_demo(agent, toy_tools.single_demo(q, rng, 0.0), "single").ids)
     assert single_len > 3 * main_len, (main_len, single_len)
 
 
@@ -284,16 +291,16 @@ def test_sub_probe_gives_a_given_model_no_cold_start_unless_asked(tmp_path, monk
     stage 1 given by path none, so probing a checkpoint never changes it first."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import sub_probe
-    agent = mgrpo.load_agent("", mgrpo.parse_args([]), seed=0)
+    agent = helpers.load_agent("", mgrpo.parse_args([]), seed=0)
     agent.model.save_pretrained(tmp_path / "main")
     agent.tok.save_pretrained(tmp_path / "main")
     asked = []
 
-    def stop(agents, kinds, steps, args, more=0):
+    def stop(agents, steps, args, task, more=0):
         asked.append(dict(steps))
         raise KeyboardInterrupt  # what follows the cold start is not under test here
 
-    monkeypatch.setattr(mgrpo, "cold_start_all", stop)
+    monkeypatch.setattr(cold_start, "cold_start_all", stop)
     for argv in (["--main-model", str(tmp_path / "main")], ["--main-model", str(tmp_path / "main"), "--sft-steps", "7"],
                  ["--mode", "single-agent", "--main-model", str(tmp_path / "main")]):
         with pytest.raises(KeyboardInterrupt):
@@ -318,8 +325,8 @@ def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, mon
     with pytest.raises(KeyboardInterrupt):
         mgrpo.main(opts)
     assert "memory estimate, main:" in capsys.readouterr().out
-    ref = mgrpo.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref" / "sub"))
-    start = mgrpo.load_agent(cold_start_dir["sub"], mgrpo.parse_args([]), seed=0).model
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref" / "sub"))
+    start = helpers.load_agent(cold_start_dir["sub"], mgrpo.parse_args([]), seed=0).model
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), start.parameters()))  # S as RL started
     monkeypatch.setattr(mgrpo, "train_step", real_step)
     s = mgrpo.main(opts + ["--resume"])
@@ -334,8 +341,8 @@ def test_gradient_checkpointing_changes_no_gradient(cold_start_dir):
     grads = []
     for ckpt in ([], ["--grad-checkpointing"]):
         args = mgrpo.parse_args(["--micro-batch", "2"] + ckpt)
-        agent = mgrpo.load_agent(cold_start_dir["main"], args, seed=0)
-        trajs = [mgrpo.encode_demo(agent, toy_tools.main_demo(x, random.Random(0), 0.3), "main") for x in q]
+        agent = helpers.load_agent(cold_start_dir["main"], args, seed=0)
+        trajs = [encode_demo(agent, toy_tools.main_demo(x, random.Random(0), 0.3), "main") for x in q]
         agent.opt = torch.optim.SGD(agent.model.parameters(), lr=0.0)
         mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]), args)
         grads.append(torch.cat([p.grad.flatten() for p in agent.model.parameters()]))
@@ -347,9 +354,9 @@ def test_help_lists_every_option_with_its_docstring(capsys):
         mgrpo.parse_args(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "option_strings" not in out
-    flat = " ".join(out.split())
-    for f in mgrpo.dataclasses.fields(mgrpo.Args):
-        assert "--" + f.name.replace("_", "-") in out and " ".join(f.metadata["help"].split()) in flat, f.name
+    flat = "".join(out.split())  # argparse wraps lines, hyphenated words too
+    for f in dataclasses.fields(mgrpo.Args):
+        assert "--" + f.name.replace("_", "-") in out and "".join(f.metadata["help"].split()) in flat, f.name
 
 
 def _stat(pid):

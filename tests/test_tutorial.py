@@ -1,8 +1,12 @@
-"""tutorial.md's python blocks run in order, and print exactly the ```text block after them."""
+"""tutorial.md's python blocks run in order, and print exactly the ```text block after them; its
+table of equations names, for each, a function of mgrpo.py that cites it."""
 import contextlib
+import inspect
 import io
 import os
 import re
+
+import mgrpo
 
 TUTORIAL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorial.md")
 FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
@@ -31,3 +35,18 @@ def test_tutorial_code_blocks_run_and_print_what_the_text_says():
         with contextlib.redirect_stdout(buf):
             exec(compile(code, f"tutorial.md block {i + 1}", "exec"), namespace)
         assert buf.getvalue().strip() == expected.strip(), f"block {i + 1}:\n{code}"
+
+
+def test_each_equation_of_the_table_is_cited_by_the_function_it_names():
+    with open(TUTORIAL) as f:
+        rows = re.findall(r"^\| (\d+(?:-\d+)?) \| (.*?) \| (.*?) \|$", f.read(), re.M)
+    numbers = set()
+    for eq, _, where in rows:
+        first, last = (int(x) for x in (eq.split("-") * 2)[:2])
+        numbers.update(range(first, last + 1))
+        if "no code" in where:
+            continue
+        source = inspect.getsource(getattr(mgrpo, re.search(r"`(\w+)`", where).group(1)))
+        for n in range(first, last + 1):
+            assert f"eq. {n}" in source, (eq, where)
+    assert numbers == set(range(1, 20))  # every equation of the paper, 1 to 19, has its row

@@ -1,8 +1,8 @@
-"""The shared store of decoupled training (mgrpo.py section 9): the file layer under it.
+"""The shared store of decoupled training (the paper's Fig. 3): the file layer under it.
 
-mgrpo.py says what the two roles exchange (RemoteSub, serve_sub and the record checks); this module
-only moves JSON records between two processes safely: atomic writes, checked keys, size limits,
-a lock per role and heartbeats. Nothing here knows about agents or M-GRPO.
+mgrpo.py says what the two roles exchange (`RemoteSub`, `serve_sub` and the record checks); this module
+only moves JSON records between two processes safely: atomic writes, checked keys, size limits, a lock
+per role and heartbeats. Nothing here knows about agents or M-GRPO, so it can be copied on its own.
 """
 import fcntl
 import json
@@ -149,6 +149,12 @@ class FileStore:
 
     def close(self):
         self.stop.set()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def prune(self, before):
         """Delete the records of phases before schedule position `before`, and stale temporary files."""

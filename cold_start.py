@@ -1,0 +1,142 @@
+"""The cold start: the stand-in for the paper's stage 1, and not part of M-GRPO.
+
+The paper's agents start from pretrained models, which already write the action format. Tiny models
+built in code know nothing, and RL alone never finds the format. So each agent first learns it by
+cross-entropy on the task's scripted demos, made deliberately noisy (each entity replaced by a
+random one with probability --demo-noise), on the tokens the agent would sample (mask 1). With
+--sft-until the system is then checked on held-out questions, and trained more, round by round,
+until it passes. A model given by name or path gets no cold start unless --sft-steps asks for one.
+"""
+import json
+import math
+import multiprocessing
+import os
+import random
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from agents import load_agent, message_ids, new_traj
+from checkpoints import save_checkpoint
+from run import agent_kinds, exit_with_parent, levels, load_task
+from sampling import collate, token_logprobs
+from tools import stable_seed
+
+
+def cold_start_steps(args, models):
+    """Cold-start steps per agent, {name: model name or path ('' for one built here)}: --sft-steps, or
+    with -1, 600 for a model built here and none for one given, which has learned its format already."""
+    return {n: args.sft_steps if args.sft_steps >= 0 else 0 if path else 600 for n, path in models.items()}
+
+
+def encode_demo(agent, msgs, kind):
+    """A demo conversation as a Traj, built exactly as rollouts build contexts (log-probs unused)."""
+    t = new_traj(agent, kind, msgs[0]["content"])
+    for msg in msgs[1:]:
+        if msg["role"] == "assistant":
+            ids = agent.tok(msg["content"], add_special_tokens=False).input_ids + [agent.end[0]]
+            t.add(ids, [0.0] * len(ids))
+        else:
+            t.add(message_ids(agent, msg["role"], msg["content"]))
+    return t
+
+
+def cold_start(agent, kind, args, task, seed, steps):
+    """`steps` steps of cross-entropy on the mask-1 tokens of fresh noisy demos, with a cosine decay;
+    the loss and the time left printed now and then. A non-finite loss stops the run before any
+    checkpoint holds the broken weights. Returns the last loss."""
+    opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
+    cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
+    rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
+    t0, loss = time.time(), torch.tensor(0.0)
+    for i in range(steps):
+        demos = []
+        for j in range(args.sft_batch):  # a question, then its demo, from the one rng
+            q = task.make_question(rng.randrange(2 ** 31), mix[j % len(mix)])
+            demos.append(encode_demo(agent, task.demo(q, rng, args.demo_noise, kind, agent.chat), kind))
+        ids, attn, mask, _ = collate(demos, agent.pad_id, agent.model.device)
+        agent.model.train(args.grad_checkpointing)
+        with agent.autocast():
+            loss = -(token_logprobs(agent.model, ids, attn) * mask).sum() / mask.sum()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()} in the cold start of {kind}, step {i + 1}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
+        opt.step()
+        cosine.step()
+        if (i + 1) % max(1, steps // 4) == 0 and i + 1 < steps:
+            print(f"  cold start {kind}: step {i + 1}/{steps}, loss {loss.item():.3f}, about "
+                  f"{(time.time() - t0) / (i + 1) * (steps - i - 1):.0f}s left", flush=True)
+    agent.model.eval()
+    return loss.item()
+
+
+def cold_start_job(path, kind, args, seed, steps, parent):
+    """A cold start in a process of its own: the agent saved at `path`, trained with one thread, saved
+    back; it ends when the process `parent` does."""
+    exit_with_parent(parent)
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    task = load_task(args.task)
+    agent = load_agent(path, args, task)
+    loss = cold_start(agent, kind, args, task, seed, steps)
+    agent.model.save_pretrained(path)
+    return loss
+
+
+def cold_start_all(agents, steps, args, task, more=0):
+    """Every agent's cold start ({name: steps}); their final losses. On a CPU with cores to spare they
+    run at once, each in a process of its own (a tiny model uses a second thread poorly, and the agents
+    share nothing); short ones do not pay for a process start. more > 0: the more-th round after the
+    first, on demos of its own."""
+    jobs, kinds = {n: s for n, s in steps.items() if s}, agent_kinds(args)
+    seeds = {n: stable_seed(args.seed, "sft-" + n, more) if more else stable_seed(args.seed, "sft-" + n)
+             for n in jobs}
+    if len(jobs) < 2 or args.device != "cpu" or (os.cpu_count() or 1) < 2 or min(jobs.values()) < 100:
+        return {n: cold_start(agents[n], kinds[n], args, task, seeds[n], s) for n, s in jobs.items()}
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(len(jobs), spawn) as pool:
+        for n in jobs:
+            agents[n].model.save_pretrained(os.path.join(tmp, n))
+            agents[n].tok.save_pretrained(os.path.join(tmp, n))
+        futures = {n: pool.submit(cold_start_job, os.path.join(tmp, n), kinds[n], args, seeds[n], s, os.getpid())
+                   for n, s in jobs.items()}
+        losses = {n: f.result() for n, f in futures.items()}
+        for n in jobs:
+            agents[n].model.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(tmp, n)).state_dict())
+    return losses
+
+
+def cold_start_checked(agents, args, task, out, done, check):
+    """The cold start, then (--sft-until) its check: check(level), the system's greedy success on
+    held-out questions of each demo level; below the bar, another round on new demos, at most 3 more,
+    each after a checkpoint (`done`: rounds a resumed run has behind it). The outcome goes to
+    <out>/sft_check.json (and so into summary.json)."""
+    given = {"main": args.main_model, "sub": args.sub_model}
+    steps = cold_start_steps(args, {n: given[n] for n in agents})
+    if not any(steps.values()) or (done and not args.sft_until):  # resumed without --sft-until: rounds done
+        return
+    for more in range(done, 4 if args.sft_until else 1):
+        t0 = time.time()
+        losses = cold_start_all(agents, steps, args, task, more)
+        print("cold start on noisy demos" + " (more)" * (more > 0) + ", final loss " + " ".join(
+            f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)", flush=True)
+        if not args.sft_until:
+            return
+        result = {lv: check(lv) for lv in sorted(set(levels(args.sft_levels, args.level)))}
+        passed = min(result.values()) >= args.sft_until
+        print("cold-start check, greedy success: " + ", ".join(f"level {lv} {v:.3f}" for lv, v in result.items())
+              + ("" if passed else ", below --sft-until" + ": going on" * (more < 3)), flush=True)
+        if passed:
+            break
+        if more < 3:  # a round of a small model's long demos can take most of an hour on a CPU
+            save_checkpoint(out, agents, 0, 0, sft_rounds=more + 1)
+    with open(os.path.join(out, "sft_check.json"), "w") as f:
+        json.dump({"passed": passed, "rounds": more + 1, "greedy": result}, f)
+    if not passed:
+        print("warning: the cold start did not reach --sft-until after 3 more rounds; RL starts anyway", flush=True)

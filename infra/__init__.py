@@ -1,1 +1,0 @@
-"""Helpers of mgrpo.py: the store's file layer (store.py) and run infrastructure (runtime.py)."""

@@ -1,0 +1,221 @@
+"""Sampling and scoring, side by side because they must agree: `generate` samples a turn for a batch of
+contexts and keeps each sampled token's log-prob; `token_logprobs` recomputes those log-probs in
+training. Both read the raw logits at temperature 1, so the policy that samples is the policy that
+is trained (the ratio of the clipped objective is 1 before the first update).
+
+Why not HF `generate`: it fills every field a `GenerationConfig` leaves unset from the model's own
+`generation_config`, and instruct models ship a temperature, top-k, top-p and repetition penalty
+there. Such a model would be sampled from another policy than the one trained. Nothing in
+`generation_config` is read here.
+"""
+import functools
+import inspect
+import math
+
+import torch
+import transformers
+
+
+def sample_token(logits, suppress, generator, greedy=False):
+    """Draw one token per row from the raw logits [B, V]: (tokens, their log-probs).
+
+    The log-prob kept is the token's under the raw distribution, log_softmax(logits) in fp32:
+    the policy that `token_logprobs` recomputes in training. Suppressed ids (pad, unk: they would
+    look like padding) are removed before the draw, which is at temperature 1 (the argmax when
+    greedy); no top-k, top-p or repetition penalty.
+    """
+    logp = logits.float().log_softmax(-1)
+    allowed = logp.index_fill(-1, suppress, -math.inf) if len(suppress) else logp
+    tok = allowed.argmax(-1) if greedy else torch.multinomial(allowed.exp(), 1, generator=generator)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+@functools.lru_cache(maxsize=None)
+def cache_keyword(model_class):
+    """The forward's name for the KV cache: past_key_values, renamed cache in transformers 5.2x."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def forward_last(model, ids, attn, pos, cache):
+    """Logits of the last position; the KV cache grows (or fills) by the new positions."""
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                 **{cache_keyword(type(model)): cache}).logits[:, -1]
+
+
+def left_pad(contexts, pad_id, rows, device):
+    """[rows, L] ids and attention mask, each context flush right; rows past the contexts repeat the first."""
+    L = max(map(len, contexts))
+    ids = torch.full((rows, L), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, c in enumerate(contexts + [contexts[0]] * (rows - len(contexts))):
+        ids[b, L - len(c):] = torch.tensor(c, dtype=torch.long)
+        attn[b, L - len(c):] = 1
+    return ids.to(device), attn.to(device)
+
+
+class EagerDecoder:
+    """Decode steps over a growing KV cache (DynamicCache); finished rows leave the batch."""
+    rows_leave = True
+
+    def __init__(self, agent):
+        self.agent, self.cache = agent, transformers.DynamicCache(config=agent.model.config)
+
+    def prefill(self, ids, attn, pos):
+        self.attn = attn
+        with self.agent.autocast():
+            return forward_last(self.agent.model, ids, attn, pos, self.cache)
+
+    def keep(self, rows):
+        self.cache.batch_select_indices(rows)
+        self.attn = self.attn[rows]
+
+    def step(self, tok, pos, slot):
+        self.attn = torch.cat([self.attn, self.attn.new_ones(len(tok), 1)], 1)
+        with self.agent.autocast():
+            return forward_last(self.agent.model, tok[:, None], self.attn, pos, self.cache)
+
+
+class GraphDecoder:
+    """--cuda-graphs: decode steps over a static KV cache, replayed as a CUDA graph (a small model's
+    step is many tiny kernels; a graph launches them at once). Fixed shapes: `rows` (batches padded to
+    a power of two; finished rows stay, masked) and `length` cache slots. The first replay is checked
+    against the eager step before it; on a mismatch `generate` falls back to the eager loop. Without
+    CUDA (the tests) steps run eagerly."""
+    rows_leave = False
+
+    def __init__(self, agent, rows, length):
+        self.agent, dev = agent, agent.model.device
+        self.cache = transformers.StaticCache(config=agent.model.config, max_cache_len=length)
+        self.x, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=dev) for _ in range(2))
+        self.attn, self.graph = torch.zeros(rows, length, dtype=torch.long, device=dev), None
+
+    def forward(self, ids, attn, pos, cache_enabled=True):  # a capture needs autocast's cache off
+        with self.agent.autocast(cache_enabled):
+            return forward_last(self.agent.model, ids, attn, pos, self.cache)
+
+    def prefill(self, ids, attn, pos):
+        self.cache.reset()
+        self.attn.zero_()
+        self.attn[:, :ids.shape[1]] = attn
+        logits = self.forward(ids, self.attn, pos)
+        if any(type(layer) is not transformers.cache_utils.StaticLayer for layer in self.cache.layers):
+            raise RuntimeError("the model's cache layers are not plain static layers (sliding windows?)")
+        return logits
+
+    def step(self, tok, pos, slot):
+        """One token per row, written to cache slot `slot`, at rope position `pos`."""
+        self.x.copy_(tok[:, None])
+        self.pos.copy_(pos)
+        self.attn[:, slot].fill_(1)
+        if self.x.device.type != "cuda":
+            return self.forward(self.x, self.attn, self.pos)
+        if self.graph is None:
+            self.capture()
+        else:
+            self.graph.replay()
+        return self.logits.clone()
+
+    def capture(self):
+        """Warm up on a side stream, capture, then replay this very step and check it."""
+        counts, stream = [layer.cumulative_length.clone() for layer in self.cache.layers], torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            want = self.forward(self.x, self.attn, self.pos).clone()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.forward(self.x, self.attn, self.pos, cache_enabled=False)
+        for layer, n in zip(self.cache.layers, counts):  # the warm-up wrote this slot: write it again
+            layer.cumulative_length.copy_(n)
+        self.graph.replay()
+        if not torch.allclose(self.logits.float(), want.float(), rtol=1e-3, atol=1e-3):
+            raise RuntimeError("the graph's logits differ from the eager forward's")
+
+
+def graph_decoder(agent, rows, length):
+    """The agent's GraphDecoder for this shape, cache slots rounded up to 256; one shape at a time,
+    since a static cache can be large."""
+    key = (rows, -(-length // 256) * 256)
+    if key not in agent.graphs:
+        agent.graphs.clear()
+        agent.graphs[key] = GraphDecoder(agent, *key)
+    return agent.graphs[key]
+
+
+@torch.no_grad()
+def generate(agent, contexts, max_new_tokens, seed, greedy=False):
+    """Sample one turn for a batch of contexts: per context (new ids, their log-probs, ended?).
+
+    The left-padded contexts go through the model once (prefill, into a KV cache, keeping the last
+    position's logits); then one token per forward. Each token is drawn by `sample_token` with a
+    torch.Generator seeded from `seed`, so a call does not depend on what ran before. A row ends at
+    its first stop token, and leaves the batch. With `agent.graphs` (--cuda-graphs on a GPU) the steps
+    replay a CUDA graph over a static cache instead (`GraphDecoder`), and finished rows stay, masked;
+    if that fails, this agent decodes eagerly from then on.
+    """
+    if agent.graphs is not None:
+        try:
+            return decode(agent, contexts, max_new_tokens, seed, greedy)
+        except RuntimeError as e:
+            print(f"CUDA graphs off for this agent ({e}); decoding eagerly", flush=True)
+            agent.graphs = None
+    return decode(agent, contexts, max_new_tokens, seed, greedy)
+
+
+def decode(agent, contexts, n_new, seed, greedy):
+    """generate's loop, with a GraphDecoder when the agent has graphs, else an EagerDecoder."""
+    B, dev, static = len(contexts), agent.model.device, agent.graphs is not None
+    R = 1 << (B - 1).bit_length() if static else B  # a graph's rows: a power of two
+    ids, attn = left_pad(contexts, agent.pad_id, R, dev)
+    L = ids.shape[1]
+    decoder = graph_decoder(agent, R, L + n_new) if static else EagerDecoder(agent)
+    gen = torch.Generator(dev).manual_seed(seed)
+    suppress = torch.tensor(agent.suppress, dtype=torch.long, device=dev)
+    stop_ids = torch.tensor(agent.stop_ids, dtype=torch.long, device=dev)
+    new = torch.full((R, n_new), agent.pad_id, dtype=torch.long, device=dev)
+    new_lp = torch.zeros(R, n_new, device=dev)
+    length = torch.full((R,), n_new, device=dev)     # a row's turn ends at its first stop token
+    running = torch.ones(R, dtype=torch.bool, device=dev)
+    rows, next_pos = torch.arange(R, device=dev), attn.sum(-1, keepdim=True)  # rows sampling; their next position
+    logits = decoder.prefill(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0))  # positions count real tokens only
+    for t in range(n_new):
+        tok, lp = sample_token(logits, suppress, gen, greedy)
+        new[rows, t], new_lp[rows, t] = tok, lp
+        done = torch.isin(tok, stop_ids) & running[rows]
+        length[rows[done]] = t + 1
+        running[rows[done]] = False
+        if t == n_new - 1 or not running[:B].any():
+            break
+        if decoder.rows_leave and done.any():
+            keep = (~done).nonzero()[:, 0]
+            decoder.keep(keep)
+            rows, tok, next_pos = rows[keep], tok[keep], next_pos[keep]
+        logits = decoder.step(tok, next_pos + t, L + t)
+    out = []
+    for row, lp, n in zip(new[:B].tolist(), new_lp[:B].tolist(), length[:B].long().tolist()):
+        out.append((row[:n], lp[:n], row[n - 1] in agent.stop_ids))
+    return out
+
+
+def token_logprobs(model, ids, attn):
+    """logp[b, t] = log p(ids[b, t] | ids[b, :t]), and 0 at padding and at each row's first
+    token (nothing predicts it). Any padding side: position ids come from the attention mask,
+    so a padded row is scored as if it were unpadded; logits at t-1 predict the token at t."""
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+    lp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    lp = lp * (attn[:, 1:] * attn[:, :-1])
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+
+
+def collate(trajs, pad_id, device):
+    """Right-padded tensors (ids, attention mask, loss mask, sampling log-probs) of trajectories; the
+    attention mask comes from lengths, never from token ids (pad may equal eos)."""
+    B, T = len(trajs), max(len(t.ids) for t in trajs)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn, mask, old = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros(B, T)
+    for b, t in enumerate(trajs):
+        n = len(t.ids)
+        ids[b, :n], attn[b, :n] = torch.tensor(t.ids), 1
+        mask[b, :n], old[b, :n] = torch.tensor(t.mask), torch.tensor(t.logp)
+    return ids.to(device), attn.to(device), mask.to(device), old.to(device)

@@ -386,6 +386,10 @@ def sub_side(sub_trajs, exchange, questions, task, D, rng, w=(0.1, 0.4, 0.5)):
     return batch, torch.tensor(rewards), (torch.cat(adv) if adv else torch.zeros(0)), stats
 
 
+# what each agent's update logs, as <name>_main and <name>_sub
+UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences")
+
+
 def sub_step(sub, sub_trajs, exchange, questions, step, args, task):
     """S's side of a step: R_S, alignment, A_S and S's update. With --unsync S updates on the
     previous step's batch (kept in `sub.pending`): its rollouts run one update behind."""
@@ -399,9 +403,8 @@ def sub_step(sub, sub_trajs, exchange, questions, step, args, task):
     if args.mode == "main-only":
         batch = []  # S frozen (the paper's baseline): its rewards are still computed, to be logged
     update = update_agent(sub, batch, adv, args) if batch else {}
-    keys = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences")
     rec = {"sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **stats,
-           **{f"{k}_sub": update[k] for k in keys if k in update},
+           **{f"{k}_sub": update[k] for k in UPDATE_STATS if k in update},
            "t_train_sub": update.get("t_fwd", 0.0) + update.get("t_bwd", 0.0)}
     return rec, update
 
@@ -412,7 +415,8 @@ def train_step(main_agent, sub, step, args, task, delegate, search=None, store=N
     writes `exchange` to the store before its own update, so that both updates run at once."""
     t0 = time.perf_counter()
     rng = random.Random(stable_seed(args.seed, "questions", step))
-    mix, Q, K = run.levels(args.train_levels, args.level), args.questions_per_step, args.group_size
+    Q, K = args.questions_per_step, args.group_size
+    mix = run.levels(args.train_levels, args.level)  # taken in turn, across steps too
     questions = [task.make_question(rng.randrange(2 ** 31), mix[(step * Q + i) % len(mix)])
                  for i in range(Q)]
     seed = stable_seed(args.seed, "rollout", step)
@@ -424,17 +428,17 @@ def train_step(main_agent, sub, step, args, task, delegate, search=None, store=N
         store.put(phase_key(store.phase) + "-done",
                   {"exchange": exchange, "questions": [[q.seed, q.level] for q in questions]})
     update = update_agent(main_agent, main_trajs, adv_main, args)
-    keys = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences")
     rec = {"step": step, "main_reward": float(r_main.mean()), **main_stats,
            "d_k": [len(t.calls) for t in main_trajs], "sub_calls": len(sub_trajs),
            "t_train_main": update["t_fwd"] + update["t_bwd"],
-           **{f"{k}_main": update[k] for k in keys}}
+           **{f"{k}_main": update[k] for k in UPDATE_STATS}}
     updates = [update]
     if sub:
         sub_rec, sub_update = sub_step(sub, sub_trajs, exchange, questions, step, args, task)
         rec.update(sub_rec)
         updates.append(sub_update)
-    dt, gen_tokens = time.perf_counter() - t0, sum(sum(t.mask) for t in main_trajs + sub_trajs)
+    dt = time.perf_counter() - t0
+    gen_tokens = sum(sum(t.mask) for t in main_trajs + sub_trajs)
     rec.update({k: sum(u.get(k, 0.0) for u in updates) for k in ("t_fwd", "t_bwd")})
     rec.update(t_gen=t_gen, t_step=dt, gen_tokens=gen_tokens, gen_tokens_per_s=gen_tokens / t_gen,
                train_tokens_per_s=sum(u.get("tokens", 0.0) for u in updates) / (dt - t_gen))

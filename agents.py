@@ -165,7 +165,8 @@ def turn_end(tok, stop, name):
 def load_agent(name, args, task, seed=0, lr=None):
     """A model by Hugging Face name or path, or (name empty) a tiny one built in code from `seed`, with
     its tokenizer, its own AdamW (lr: default args.lr), and what sampling needs to know of its tokens.
-    args: the run's settings (mgrpo.Args); task: the task module, whose words and prompts it uses."""
+    args: the run's settings it reads (chat, model_size, device, dtype, lr, weight_decay,
+    max_new_tokens, grad_checkpointing, cuda_graphs); task: the task, whose words and prompts it uses."""
     if name:
         tok = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)  # fp32 master weights

@@ -21,7 +21,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from agents import load_agent, message_ids, new_traj
-from checkpoints import save_checkpoint
+from checkpoints import load_reference, save_checkpoint, save_reference
 from run import agent_kinds, exit_with_parent, levels, load_task
 from sampling import collate, token_logprobs
 from tools import stable_seed
@@ -140,3 +140,18 @@ def cold_start_checked(agents, args, task, out, done, check):
         json.dump({"passed": passed, "rounds": more + 1, "greedy": result}, f)
     if not passed:
         print("warning: the cold start did not reach --sft-until after 3 more rounds; RL starts anyway", flush=True)
+
+
+def before_rl(agents, args, task, out, done, check):
+    """What comes before the first RL step. For a new run (done = 0), or one cut off in its cold
+    start (done: its rounds), the cold start with its check, then --kl-coef's frozen reference
+    (saved before the checkpoint that ends the cold start, so that a resumed run always finds it)
+    and the checkpoint that RL starts from; done = None: a resumed run past all that. With
+    --kl-coef, the reference is loaded into each agent."""
+    if done is not None:
+        cold_start_checked(agents, args, task, out, done, check)
+        if args.kl_coef:
+            save_reference(out, agents)
+        save_checkpoint(out, agents, 0, 0)
+    if args.kl_coef:
+        load_reference(out, agents, args.device)

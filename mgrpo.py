@@ -25,8 +25,9 @@ The default run needs no download: two tiny models built in code, first taught t
 by a short supervised cold start on noisy scripted demos (cold_start.py: the stand-in for the
 paper's stage 1, not part of M-GRPO). The sibling modules hold what a reader of the paper need not
 see: sampling.py (the sampler and the scoring), agents.py (models, tokenizers, contexts as ids),
-tools.py (action formats, parsers, search client), run.py (command line, resume, report),
-checkpoints.py, store.py (the store's file layer); toy_tools.py is the toy task.
+tools.py (action formats, parsers, search client), run.py (command line, set-up, resume),
+report.py (metrics, report), checkpoints.py, store.py (the store's file layer); toy_tools.py is
+the toy task.
 
     python mgrpo.py              # CPU demo: cold start, then M-GRPO on the toy task
     python mgrpo.py --help
@@ -43,8 +44,8 @@ import torch
 
 import run
 from agents import Traj, load_agent, message_ids, new_traj
-from checkpoints import load_reference, save_checkpoint, save_reference
-from cold_start import cold_start_checked
+from cold_start import before_rl
+from report import Log, report
 from sampling import collate, generate, token_logprobs
 from store import StoreError
 from tools import FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
@@ -176,7 +177,7 @@ def rollout(main_agent, questions, K, args, seed, delegate=None, search=None, gr
     sub_trajs = []
 
     def call_sub_agent(calls, turn):
-        tasks = [arg for _, _, arg in calls]
+        tasks = [task for _, _, task in calls]
         asked = [questions[j] for j, _, _ in calls]
         done = delegate(tasks, asked, stable_seed(seed, "turn", turn), greedy)
         for (j, _, _), s in zip(calls, done):
@@ -193,13 +194,13 @@ def rollout(main_agent, questions, K, args, seed, delegate=None, search=None, gr
 # =========================================================================================
 def main_reward(format_ok, correct, w_format=0.1):
     """eq. 4: R_M = 0.1 r_format + 0.9 r_correct if M's format is valid, else 0."""
-    return w_format + (1 - w_format) * float(correct) if format_ok else 0.0
+    return w_format + (1 - w_format) * float(correct) if format_ok else 0.0  # eq. 4
 
 
 def sub_reward(format_ok, main_correct, expert, w=(0.1, 0.4, 0.5)):
     """eq. 5: R_S = 0.1 r_format + 0.4 r_correct_main + 0.5 r_expert if S's format is valid, else 0;
     r_correct_main is the correctness of the rollout this sub-trajectory came from."""
-    return w[0] + w[1] * float(main_correct) + w[2] * float(expert) if format_ok else 0.0
+    return w[0] + w[1] * float(main_correct) + w[2] * float(expert) if format_ok else 0.0  # eq. 5
 
 
 # =========================================================================================
@@ -235,7 +236,7 @@ def align_sub_trajectories(counts, D, rng):
     if not pool:
         return []
     out = []
-    for k, d in enumerate(counts):
+    for k, d in enumerate(counts):  # eq. 11: each rollout's d_k to exactly D
         if d >= D:
             out += [(k, i) for i in sorted(rng.sample(range(d), D))]
         elif d > 0:
@@ -272,7 +273,7 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     ratio = log_ratio.exp()
     a = advantages.to(logp.dtype)[:, None]
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
-    surr = torch.minimum(ratio * a, clipped_ratio * a)  # min(rho A, clip(rho) A)
+    surr = torch.minimum(ratio * a, clipped_ratio * a)  # eq. 14-19: min(rho A, clip(rho) A)
     per_tok = -surr * m
     if ref_logp is not None and kl_coef:
         d = torch.where(mask.bool(), ref_logp - logp, torch.zeros_like(logp))
@@ -320,6 +321,7 @@ def update_agent(agent, trajs, adv, args):
                 logp = token_logprobs(model, ids[sl], attn[sl])
             loss, stats = policy_loss(logp, old[sl], adv[sl], mask[sl], args.eps_low, args.eps_high,
                                       args.loss_agg, None if ref is None else ref[sl], args.kl_coef)
+            # each micro-batch's share of the whole batch: of its rows (seq-mean) or tokens
             w = (min(mb, B - s) / B) if args.loss_agg == "seq-mean" else mask[sl].sum() / n_tok
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss.item()} in the update; stopping")
@@ -327,7 +329,7 @@ def update_agent(agent, trajs, adv, args):
             (loss * w).backward()
             acc["t_fwd"] += t1 - t0
             acc["t_bwd"] += time.perf_counter() - t1
-            for key in ("clip_frac", "approx_kl", "kl_ref"):
+            for key in ("clip_frac", "approx_kl", "kl_ref"):  # token-weighted means over the epochs
                 acc[key] += stats.get(key, 0.0) * stats["tokens"] / float(n_tok) / args.ppo_epochs
         t1 = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -352,7 +354,7 @@ def main_side(main_trajs, questions, K, task, w_format=0.1):
     statistics S needs: per rollout its ids, M's correctness and its sub-trajectories."""
     correct = [t.ok and task.answer_correct(questions[t.q], t.result) for t in main_trajs]
     r_main = torch.tensor([main_reward(t.ok, c, w_format) for t, c in zip(main_trajs, correct)])
-    adv = group_advantages(r_main.view(-1, K)).view(-1)
+    adv = group_advantages(r_main.view(-1, K)).view(-1)  # eq. 9-10: each query's K rollouts
     exchange = [{"query": t.q, "rollout": t.k, "correct": bool(c), "subs": list(t.calls)}
                 for t, c in zip(main_trajs, correct)]
     zero_var = float((r_main.view(-1, K).std(-1, unbiased=False) <= 1e-6).float().mean())
@@ -379,7 +381,7 @@ def sub_side(sub_trajs, exchange, questions, task, D, rng, w=(0.1, 0.4, 0.5)):
              for s, (k, _), e in zip(group, pairs, expert)]
         batch += group
         rewards += r
-        adv.append(group_advantages(r))
+        adv.append(group_advantages(r))  # eq. 12-13: the query's D*K aligned slots
         n_groups += 1
         n_zero += int(np.std(r) <= 1e-6)
     stats = {"n_dup": n_dup, "n_drop": n_drop, "zero_var_sub": n_zero / max(1, n_groups)}
@@ -527,23 +529,28 @@ def tasks_ok(rec):
 
 
 def results_ok(rec, n_tasks):
-    return len(rec["results"]) == n_tasks and all((a is None or type(a) is str) and type(ok) is bool
-                                                  for a, ok in rec["results"])
+    """S's answers: one (text or None, format ok) per sub-task asked."""
+    answers_ok = [(a is None or type(a) is str) and type(ok) is bool for a, ok in rec["results"]]
+    return len(answers_ok) == n_tasks and all(answers_ok)
 
 
 def exchange_ok(rec, n_subs):
-    return questions_ok(rec["questions"]) and all(
-        0 <= e["query"] < len(rec["questions"]) and type(e["rollout"]) is int
-        and type(e["correct"]) is bool
-        and all(type(i) is int and 0 <= i < n_subs for i in e["subs"])
-        for e in rec["exchange"])
+    """M's statistics: per rollout a query among the questions, and sub-trajectories S holds."""
+    for e in rec["exchange"]:
+        subs_ok = all(type(i) is int and 0 <= i < n_subs for i in e["subs"])
+        if not (0 <= e["query"] < len(rec["questions"]) and type(e["rollout"]) is int
+                and type(e["correct"]) is bool and subs_ok):
+            return False
+    return questions_ok(rec["questions"])
 
 
 def store_record(store, key, rec, check, task=None):
     """(rec, the questions it names, if a task is given) if check(rec) holds; else a StoreError."""
     try:
+        if check(rec) and task is None:
+            return rec, None
         if check(rec):
-            return rec, task and [task.make_question(s, level) for s, level in rec["questions"]]
+            return rec, [task.make_question(seed, level) for seed, level in rec["questions"]]
     except (KeyError, TypeError, ValueError, IndexError):
         pass
     raise StoreError(f"store {store.dir}: record {key} is not what the {store.peer} role writes; "
@@ -577,12 +584,12 @@ class RemoteSub:
 
 def serve_turns(sub, args, task, search, store, phase):
     """The sub role, one phase: answer each turn's sub-tasks until M's side writes the phase's
-    `-done` record. Returns (S's trajectories, seconds sampling, that record's key and record)."""
+    `-done` record. Returns S's trajectories, the seconds spent sampling them, and that record."""
     sub_trajs, t_gen = [], 0.0
     for turn in itertools.count():
         key, rec = store.wait(f"{phase}-t{turn}-tasks", f"{phase}-done")
         if key.endswith("-done"):
-            return sub_trajs, t_gen, key, rec
+            return sub_trajs, t_gen, rec
         rec, questions = store_record(store, key, rec, tasks_ok, task)
         t0 = time.perf_counter()
         trajs = run_sub_agents(sub, args, search, rec["tasks"], questions, rec["seed"],
@@ -593,16 +600,18 @@ def serve_turns(sub, args, task, search, store, phase):
         store.put(f"{phase}-t{turn}-results", {"tasks": rec["tasks"], "results": results})
 
 
-def serve_sub(sub, args, task, search, store, log, start):
+def serve_sub(agents, args, task, search, store, log, start):
     """The sub role: every phase of the schedule from position `start` on; in a training step,
     S's side once M's side has written its statistics."""
+    sub = agents["sub"]
     for idx, (kind, step, _) in enumerate(schedule(args)[start:], start):
-        store.phase, t0 = idx, time.perf_counter()
-        sub_trajs, t_gen, key, done = serve_turns(sub, args, task, search, store, phase_key(idx))
+        store.phase = idx
+        t0 = time.perf_counter()
+        sub_trajs, t_gen, done = serve_turns(sub, args, task, search, store, phase_key(idx))
         rec = None
         if kind == "step":
             check = functools.partial(exchange_ok, n_subs=len(sub_trajs))
-            done, questions = store_record(store, key, done, check, task)
+            done, questions = store_record(store, phase_key(idx) + "-done", done, check, task)
             sub_rec, _ = sub_step(sub, sub_trajs, done["exchange"], questions, step, args, task)
             rec = {"step": step, **sub_rec, "t_step": time.perf_counter() - t0, "t_gen_sub": t_gen,
                    "gen_tokens_sub": sum(sum(s.mask) for s in sub_trajs)}
@@ -610,7 +619,7 @@ def serve_sub(sub, args, task, search, store, log, start):
 
 
 # =========================================================================================
-# The run: set-up, cold start, training, report (run.py, cold_start.py, checkpoints.py)
+# The run: set-up, cold start, training, report (run.py, cold_start.py, report.py)
 # =========================================================================================
 def parse_args(argv=None):
     """The command line (or argv) as Args, every setting checked."""
@@ -622,27 +631,18 @@ def main(argv=None):
     args = parse_args(argv)
     task = run.load_task(args.task)
     out = run.start(args)  # seeds, threads, the output folder
+    search = run.search_tool(args, task)  # probed: a server that is down stops the run here
     load = functools.partial(load_agent, args=args, task=task)
     with run.open_store(args) as store:  # --role main / sub: the shared store, settings checked
-        search = run.search_tool(args, task)
-        resumed = run.resume(args, out, load)  # None: no checkpoint, or no --resume
-        agents, start, n_lines, sft_done = resumed or run.start_afresh(args, out, load)
+        agents, start, n_lines, sft_done = run.resume_or_start(args, out, load)
         run.print_plan(args, agents, out)
-        if sft_done is not None:  # a new run, or one cut off in its cold start
-            check = functools.partial(cold_start_check, agents=agents, args=args, task=task,
-                                      search=search)
-            cold_start_checked(agents, args, task, out, sft_done, check)
-            if args.kl_coef:
-                save_reference(out, agents)
-            save_checkpoint(out, agents, 0, 0)
-        if args.kl_coef:
-            load_reference(out, agents, args.device)
-        log = run.Log(args, agents, out, store, len(schedule(args)), n_lines)
-        if args.role == "sub":
-            serve_sub(agents["sub"], args, task, search, store, log, start)
-        else:
-            train(agents, args, task, search, store, log, start)
-    return run.report(args, agents, out, t_start, paper_D)
+        check = functools.partial(cold_start_check, agents=agents, args=args, task=task,
+                                  search=search)
+        before_rl(agents, args, task, out, sft_done, check)  # the cold start, when one is due
+        log = Log(args, agents, out, store, len(schedule(args)), n_lines)
+        walk = serve_sub if args.role == "sub" else train  # S in its own process, or M (and S)
+        walk(agents, args, task, search, store, log, start)
+    return report(args, agents, out, t_start, paper_D)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The mechanics of a run of mgrpo.py, which a reader of the paper does not need to see: the command
-line, the task, the output folder and seeds, the store's handshake, resume or start afresh, the
-start-up printout with its memory estimate, the metrics log with its checkpoints, and the report.
+line, the task, the output folder and seeds, the search tool, the store's handshake, resume or start
+afresh, and the start-up printout with its memory estimate. What a run writes as it goes and at the
+end is in report.py.
 """
 import argparse
 import contextlib
@@ -21,7 +22,7 @@ import torch
 import transformers
 
 from agents import SIZES, prompt_ids
-from checkpoints import clear_run, load_checkpoint, save_checkpoint
+from checkpoints import clear_run, load_checkpoint
 from store import FileStore, StoreError
 from tools import HttpSearch, SearchError
 
@@ -53,7 +54,8 @@ def levels(text, default):
 def parse_args(args_class, argv=None, doc=""):
     """The command line, from a dataclass of settings: a flag per field, with the field's help text;
     every setting checked, and the task with its levels."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(args_class):
         kw = dict(default=f.default, help=f.metadata["help"].replace("%", "%%"))
         if isinstance(f.default, tuple):
@@ -204,9 +206,15 @@ def open_store(args):
     return store
 
 
+def resume_or_start(args, out, load):
+    """(agents, schedule position, metrics lines, cold-start rounds done or None once RL began): from
+    the last readable checkpoint in `out` with --resume, else new agents in a cleared folder."""
+    return resume(args, out, load) or start_afresh(args, out, load)
+
+
 def resume(args, out, load):
-    """--resume: (agents, schedule position, metrics lines, cold-start rounds done or None) from the last
-    readable checkpoint in `out`, with metrics.jsonl cut back to it; None if there is none."""
+    """--resume: resume_or_start's tuple from the last readable checkpoint in `out`, with
+    metrics.jsonl cut back to it; None if there is none."""
     resumed = load_checkpoint(out, agent_names(args), load) if args.resume else None
     if resumed is None:
         if args.resume:
@@ -238,152 +246,38 @@ def start_afresh(args, out, load):
 
 def print_plan(args, agents, out):
     """What this process runs, and each agent's memory estimate."""
-    sizes = ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M params" for n, a in agents.items())
+    sizes = ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M params"
+                      for n, a in agents.items())
     print(f"M-GRPO | role {args.role} | {sizes} | {args.mode} K={args.group_size} D={args.max_sub} "
           f"level={args.level} device={args.device} {args.dtype}" + (" unsync" if args.unsync else "")
           + f" | out: {out}", flush=True)
     for n, a in agents.items():
-        static, act, mb, T = memory_estimate(a, agent_kinds(args)[n], args)
+        kind = agent_kinds(args)[n]
+        obs = 30 if kind == "main" else (args.visit_max_chars // 3 if a.chat else 60)  # tokens per tool result
+        turns = args.sub_max_turns if kind == "sub" else args.main_max_turns
+        longest = len(prompt_ids(a, kind, "x" * 40)) + turns * (a.max_new + obs)
+        rows = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)
+        static, act, mb, T = memory_estimate(a, longest, rows, args.micro_batch, args.grad_checkpointing,
+                                             args.kl_coef > 0)
         print(f"memory estimate, {n}: {static + act:.2f} GiB = {static:.2f} weights, grads, AdamW"
               + (", reference" if args.kl_coef else "") + f" + {act:.2f} one micro-batch ({mb} x up to {T} tokens;"
               " --micro-batch and --grad-checkpointing lower it)", flush=True)
-    if args.main_model or args.sub_model:
+    given = {"main": args.main_model, "sub": args.sub_model}
+    if any(given[n] for n in agents):
         print("a model given by name or path: " + ("no cold start" if args.sft_steps == -1 else
               f"{args.sft_steps} cold-start steps") + f", {args.eval_questions} questions per evaluation, "
               f"{next(iter(agents.values())).max_new} new tokens per turn (--sft-steps, --eval-questions and "
               "--max-new-tokens change them)", flush=True)
 
 
-def memory_estimate(agent, kind, args):
+def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False, reference=False):
     """A rough estimate of one agent's training memory in GiB: fp32 weights, grads and AdamW states at
-    16 bytes a parameter (plus the reference), and one micro-batch of the longest contexts the turn
-    limits allow: activations (~34 h bytes a layer and token in 16 bits, ~2 h kept with checkpointing),
-    logits + their fp32 log-softmax + its gradient (~10-12 bytes a vocabulary entry).
+    16 bytes a parameter (plus the reference), and one micro-batch of `rows` contexts of `tokens`:
+    activations (~34 h bytes a layer and token in 16 bits, ~2 h kept with checkpointing), logits +
+    their fp32 log-softmax + its gradient (~10-12 bytes a vocabulary entry).
     Returns (weights and optimizer, one micro-batch, its rows, its tokens per row)."""
     cfg = getattr(agent.model.config, "text_config", agent.model.config)
-    obs = 30 if kind == "main" else (args.visit_max_chars // 3 if agent.chat else 60)  # tokens per tool result
-    turns = args.sub_max_turns if kind == "sub" else args.main_max_turns
-    T = len(prompt_ids(agent, kind, "x" * 40)) + turns * (agent.max_new + obs)
-    B = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)
-    mb = min(args.micro_batch or B, B)
-    act = cfg.num_hidden_layers * cfg.hidden_size * (2 if args.grad_checkpointing else 34) * (1 if agent.bf16 else 2)
-    static = sum(p.numel() for p in agent.model.parameters()) * (16 + (2 if agent.bf16 else 4) * (args.kl_coef > 0))
-    return static / 2 ** 30, mb * T * (act + (10 if agent.bf16 else 12) * cfg.vocab_size) / 2 ** 30, mb, T
-
-
-# ---------------------------------------------------------------------------------------
-# During the run, and after it
-# ---------------------------------------------------------------------------------------
-class Log:
-    """After each phase of the schedule: its line in metrics.jsonl, a progress line, and a checkpoint
-    (every --save-every steps, after each evaluation and at the end) that the store hears of."""
-
-    def __init__(self, args, agents, out, store, n_phases, n_lines):
-        self.args, self.agents, self.out, self.store = args, agents, out, store
-        self.n_phases, self.lines, self.io_mark = n_phases, n_lines, store.io_time if store else 0.0
-
-    def phase_done(self, idx, kind, step, rec):
-        if rec is not None:
-            if self.store:  # seconds of this phase in the store's reads and writes
-                rec["t_store"] = self.store.io_time - self.io_mark
-                self.io_mark = self.store.io_time
-            with open(os.path.join(self.out, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            self.lines += 1
-            print(progress_line(rec, self.args.steps), flush=True)
-        if kind == "eval" or step % self.args.save_every == 0 or idx == self.n_phases - 1:
-            save_checkpoint(self.out, self.agents, idx + 1, self.lines)
-            if self.store:
-                self.store.saved = idx + 1
-                peer_saved = self.store.check_peer().get("saved")
-                if self.args.role == "main" and type(peer_saved) is int:
-                    self.store.prune(min(idx + 1, peer_saved))
-
-
-def progress_line(rec, steps):
-    if "eval" in rec:
-        return f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
-    parts = [("main_reward", "R_M {main_reward:.3f} success {success:.3f} zero-var M {zero_var_main:.2f}"),
-             ("sub_reward", "R_S {sub_reward:.3f} zero-var S {zero_var_sub:.2f} dup {n_dup} drop {n_drop}"),
-             ("approx_kl_main", "kl {approx_kl_main:.1e} gn {grad_norm_main:.2f}"), ("t_step", "{t_step:.2f}s"),
-             ("t_store", "store {t_store:.2f}s")]
-    return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**rec) for key, text in parts if key in rec])
-
-
-def report(args, agents, out, t_start, d_rule):
-    """After the last phase: the trained agents, summary.json, curves.png and the figures.
-    d_rule(d values) -> the D that the paper's rule picks from them."""
-    for n, a in agents.items():  # the trained agents, ready for from_pretrained
-        a.model.save_pretrained(os.path.join(out, n))
-        a.tok.save_pretrained(os.path.join(out, n))
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    steps = [r for r in rows if "eval" not in r]
-    summary = {"role": args.role, "mode": args.mode, "level": args.level, "steps": len(steps),
-               "params": sum(p.numel() for a in agents.values() for p in a.model.parameters()),
-               "wall_time_s": round(time.time() - t_start, 1), **cold_start_outcome(out)}
-    if args.role != "both":
-        t_step = sum(r["t_step"] for r in steps)
-        summary["store_share_of_step_time"] = sum(r.get("t_store", 0.0) for r in steps) / max(t_step, 1e-9)
-        print(f"store: {100 * summary['store_share_of_step_time']:.1f}% of step time in reads and writes")
-    if args.role != "sub":
-        summary.update(main_summary(args, rows, d_rule))
-        plot = plot_curves(out, rows)
-        print(f"curves: {plot}" if plot else "no curves.png: matplotlib is not installed (it is optional)")
-    if torch.device(args.device).type == "cuda":
-        summary["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(args.device) / 2 ** 30
-        print(f"peak GPU memory of this process: {summary['peak_gpu_mem_gib']:.2f} GiB")
-    print(f"{summary['wall_time_s']:.0f}s in all | {out}", flush=True)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    return summary
-
-
-def cold_start_outcome(out):
-    """{"sft_check": ...} as this run's cold start wrote it (--sft-until), if it had one."""
-    try:
-        with open(os.path.join(out, "sft_check.json")) as f:
-            return {"sft_check": json.load(f)}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        print(f"warning: {out}/sft_check.json cannot be read ({e}); summary.json goes without it", flush=True)
-        return {}
-
-
-def main_summary(args, rows, d_rule):
-    """Held-out success before and after RL, and the d_k of every rollout against the D in use."""
-    evals = {(r["step"], r["eval"]): r["eval_success"] for r in rows if "eval" in r}
-    all_d = [d for r in rows if "d_k" in r for d in r["d_k"]]
-    hist = {int(d): int(n) for d, n in zip(*np.unique(all_d, return_counts=True))} if all_d else {}
-    s = {"eval_success_start": evals[(0, "sampled")], "eval_greedy_success_start": evals[(0, "greedy")],
-         "eval_success_end": evals[(args.steps, "sampled")], "eval_greedy_success_end": evals[(args.steps, "greedy")],
-         "d_k_histogram": hist, "D_in_use": args.max_sub, "D_paper_rule": d_rule(all_d)}
-    if args.mode != "single-agent":
-        print(f"d_k over all rollouts: {hist}; the paper's rule P(d_k <= D) >= 0.99 picks D = {s['D_paper_rule']} "
-              f"(in use: D = {args.max_sub})")
-    print(f"eval after RL: sampled success {s['eval_success_end']:.3f} (before {s['eval_success_start']:.3f}), "
-          f"greedy {s['eval_greedy_success_end']:.3f}")
-    return s
-
-
-def plot_curves(out, rows):
-    """<out>/curves.png (rewards per step, held-out success per evaluation) when matplotlib is installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
-    for key in ("main_reward", "sub_reward", "success"):
-        if points := [(r["step"], r[key]) for r in rows if key in r]:
-            ax.plot(*zip(*points), lw=1, label=key)
-    for how, marker in (("sampled", "o"), ("greedy", "s")):
-        ax.plot(*zip(*[(r["step"], r["eval_success"]) for r in rows if r.get("eval") == how]), marker, label=how)
-    ax.set(xlabel="M-GRPO step", ylim=(0, 1.02), title="rewards; held-out success (sampled, greedy)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.savefig(os.path.join(out, "curves.png"))
-    plt.close(fig)
-    return os.path.join(out, "curves.png")
+    mb = min(micro_batch or rows, rows)
+    act = cfg.num_hidden_layers * cfg.hidden_size * (2 if grad_checkpointing else 34) * (1 if agent.bf16 else 2)
+    static = sum(p.numel() for p in agent.model.parameters()) * (16 + (2 if agent.bf16 else 4) * reference)
+    return static / 2 ** 30, mb * tokens * (act + (10 if agent.bf16 else 12) * cfg.vocab_size) / 2 ** 30, mb, tokens

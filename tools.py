@@ -104,7 +104,8 @@ def parse_chat_action(text, kind):
         call = None if _TAG.search(inner) else json.loads(inner)
     except (ValueError, RecursionError):
         return None
-    if not (isinstance(call, dict) and call.get("name") in CHAT_TOOLS[kind] and isinstance(call.get("arguments"), dict)):
+    if not (isinstance(call, dict) and call.get("name") in CHAT_TOOLS[kind]
+            and isinstance(call.get("arguments"), dict)):
         return None
     tag, key = TOOL_ACTION[call["name"]]
     return _action(tag, call["arguments"].get(key))

@@ -103,17 +103,21 @@ def main():
         return 1
     survived, t_all = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for name in [n for n in os.listdir(ROOT) if n.endswith((".py", ".md"))] + ["tests", "scripts"]:
+        for name in [n for n in os.listdir(ROOT) if n.endswith((".py", ".md"))] + ["tests", "scripts", "docs"]:
             src = os.path.join(ROOT, name)
             (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(tmp, name))
+        fast_tier = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", "tests"]
+        r = subprocess.run(fast_tier, cwd=tmp, capture_output=True, text=True, timeout=a.timeout)
+        if r.returncode != 0:  # else every mutant would count as caught
+            print(f"the unmutated copy fails the fast tier ({first_failure(r.stdout + r.stderr)}): fix that first")
+            return 1
         for i, (what, file, old, new) in picked:
             original = open(os.path.join(ROOT, file)).read()
             with open(os.path.join(tmp, file), "w") as f:
                 f.write(original.replace(old, new))
             t0 = time.time()
             try:
-                r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
-                                    "tests"], cwd=tmp, capture_output=True, text=True, timeout=a.timeout)
+                r = subprocess.run(fast_tier, cwd=tmp, capture_output=True, text=True, timeout=a.timeout)
                 caught, by = r.returncode != 0, first_failure(r.stdout + r.stderr)
             except subprocess.TimeoutExpired:
                 caught, by = True, f"(the fast tier ran past {a.timeout:.0f}s: a hang)"

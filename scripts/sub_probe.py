@@ -7,7 +7,7 @@ perfect sub-agent (one that returns the true fact for any well-formed sub-task):
 shows whether it plans the hops and answers, apart from S. Greedy and sampled at temperature 1.
 With --mode single-agent: the single agent on 200 held-out questions per level, greedy, and
 for each failure the first search that asks for a wrong entity (the hop before was misread).
-The README's and tutorial's stage-1 figures come from it:
+The probes of stage 1s in docs/compare-single.md come from it. It probes the toy task only:
 
     python scripts/sub_probe.py --sft-levels 1,2,2,3
     python scripts/sub_probe.py --main-model runs/compare/stage1-levels122-seed2-system/main \
@@ -76,6 +76,8 @@ def single_agent_misses(agent, args, n=200):
 
 def main(argv=None):
     args = mgrpo.parse_args(argv)
+    if args.task != "toy_tools":
+        sys.exit("sub_probe.py reads the toy task's knowledge base: it probes --task toy_tools only")
     transformers.utils.logging.disable_progress_bar()
     t0 = time.time()
     steps = cold_start.cold_start_steps(args, {"main": args.main_model, "sub": args.sub_model})

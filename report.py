@@ -1,0 +1,129 @@
+"""What a run of mgrpo.py writes as it goes and at the end: after each phase of the schedule its
+line in metrics.jsonl, a progress line and a checkpoint; after the last, the trained agents,
+summary.json and curves.png (when matplotlib is installed).
+"""
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from checkpoints import save_checkpoint
+
+
+class Log:
+    """After each phase of the schedule: its line in metrics.jsonl, a progress line, and a checkpoint
+    (every --save-every steps, after each evaluation and at the end) that the store hears of."""
+
+    def __init__(self, args, agents, out, store, n_phases, n_lines):
+        self.args, self.agents, self.out, self.store = args, agents, out, store
+        self.n_phases, self.lines, self.io_mark = n_phases, n_lines, store.io_time if store else 0.0
+
+    def phase_done(self, idx, kind, step, rec):
+        """rec: the phase's metrics, or None (the sub role's evaluations)."""
+        if rec is not None:
+            if self.store:  # seconds of this phase in the store's reads and writes
+                rec["t_store"] = self.store.io_time - self.io_mark
+            with open(os.path.join(self.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            self.lines += 1
+            print(progress_line(rec, self.args.steps), flush=True)
+        if kind == "eval" or step % self.args.save_every == 0 or idx == self.n_phases - 1:
+            save_checkpoint(self.out, self.agents, idx + 1, self.lines)
+            if self.store:
+                self.store.saved = idx + 1
+                peer_saved = self.store.check_peer().get("saved")
+                if self.args.role == "main" and type(peer_saved) is int:
+                    self.store.prune(min(idx + 1, peer_saved))
+        if self.store:  # the next phase's store time counts from here
+            self.io_mark = self.store.io_time
+
+
+def progress_line(rec, steps):
+    if "eval" in rec:
+        return f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
+    parts = [("main_reward", "R_M {main_reward:.3f} success {success:.3f} zero-var M {zero_var_main:.2f}"),
+             ("sub_reward", "R_S {sub_reward:.3f} zero-var S {zero_var_sub:.2f} dup {n_dup} drop {n_drop}"),
+             ("approx_kl_main", "kl {approx_kl_main:.1e} gn {grad_norm_main:.2f}"), ("t_step", "{t_step:.2f}s"),
+             ("t_store", "store {t_store:.2f}s")]
+    return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**rec) for key, text in parts if key in rec])
+
+
+def report(args, agents, out, t_start, d_rule):
+    """After the last phase: the trained agents, summary.json, curves.png and the figures.
+    d_rule(d values) -> the D that the paper's rule picks from them."""
+    for n, a in agents.items():  # the trained agents, ready for from_pretrained
+        a.model.save_pretrained(os.path.join(out, n))
+        a.tok.save_pretrained(os.path.join(out, n))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r for r in rows if "eval" not in r]
+    summary = {"role": args.role, "mode": args.mode, "level": args.level, "steps": len(steps),
+               "params": sum(p.numel() for a in agents.values() for p in a.model.parameters()),
+               "wall_time_s": round(time.time() - t_start, 1), **cold_start_outcome(out)}
+    if args.role != "both":
+        t_step = sum(r["t_step"] for r in steps)
+        summary["store_share_of_step_time"] = sum(r.get("t_store", 0.0) for r in steps) / max(t_step, 1e-9)
+        print(f"store: {100 * summary['store_share_of_step_time']:.1f}% of step time in reads and writes")
+    if args.role != "sub":
+        summary.update(main_summary(args, rows, d_rule))
+        plot = plot_curves(out, rows)
+        print(f"curves: {plot}" if plot else "no curves.png: matplotlib is not installed (it is optional)")
+    if torch.device(args.device).type == "cuda":
+        summary["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(args.device) / 2 ** 30
+        print(f"peak GPU memory of this process: {summary['peak_gpu_mem_gib']:.2f} GiB")
+    print(f"{summary['wall_time_s']:.0f}s in all | {out}", flush=True)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def cold_start_outcome(out):
+    """{"sft_check": ...} as this run's cold start wrote it (--sft-until), if it had one."""
+    try:
+        with open(os.path.join(out, "sft_check.json")) as f:
+            return {"sft_check": json.load(f)}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        print(f"warning: {out}/sft_check.json cannot be read ({e}); summary.json goes without it", flush=True)
+        return {}
+
+
+def main_summary(args, rows, d_rule):
+    """Held-out success before and after RL, and the d_k of every rollout against the D in use."""
+    evals = {(r["step"], r["eval"]): r["eval_success"] for r in rows if "eval" in r}
+    all_d = [d for r in rows if "d_k" in r for d in r["d_k"]]
+    hist = {int(d): int(n) for d, n in zip(*np.unique(all_d, return_counts=True))} if all_d else {}
+    s = {"eval_success_start": evals[(0, "sampled")], "eval_greedy_success_start": evals[(0, "greedy")],
+         "eval_success_end": evals[(args.steps, "sampled")], "eval_greedy_success_end": evals[(args.steps, "greedy")],
+         "d_k_histogram": hist, "D_in_use": args.max_sub, "D_paper_rule": d_rule(all_d)}
+    if args.mode != "single-agent":
+        print(f"d_k over all rollouts: {hist}; the paper's rule P(d_k <= D) >= 0.99 picks D = {s['D_paper_rule']} "
+              f"(in use: D = {args.max_sub})")
+    print(f"eval after RL: sampled success {s['eval_success_end']:.3f} (before {s['eval_success_start']:.3f}), "
+          f"greedy {s['eval_greedy_success_end']:.3f}")
+    return s
+
+
+def plot_curves(out, rows):
+    """<out>/curves.png (rewards per step, held-out success per evaluation) when matplotlib is installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    for key in ("main_reward", "sub_reward", "success"):
+        if points := [(r["step"], r[key]) for r in rows if key in r]:
+            ax.plot(*zip(*points), lw=1, label=key)
+    for how, marker in (("sampled", "o"), ("greedy", "s")):
+        ax.plot(*zip(*[(r["step"], r["eval_success"]) for r in rows if r.get("eval") == how]), marker, label=how)
+    ax.set(xlabel="M-GRPO step", ylim=(0, 1.02), title="rewards; held-out success (sampled, greedy)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(os.path.join(out, "curves.png"))
+    plt.close(fig)
+    return os.path.join(out, "curves.png")

@@ -91,7 +91,7 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
     md = (out / "paper" / "results.md").read_text()
     for arm in ("co-train", "main-only"):
         assert f"| {arm} |" in md
-    assert "Paired difference co-train - main-only" in md and "95% interval" in md
+    assert "Paired difference co-train - main-only" in md and "95% t-interval over the 2 stage 1s" in md
     assert "--mode main-only" in md and "--sft-levels 1,2,2" in md  # every command is written down
     assert md.count("cold-start check passed after 1 round(s)") == 2  # each stage 1 says how its check went
     # a stage 1 that other runs start from is never replaced by one with other options, resumed or not

@@ -114,6 +114,7 @@ class Agent:
     bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights
     ref: torch.nn.Module = None  # --kl-coef: the frozen reference
     pending: tuple = None  # --unsync: (batch, advantages) of the previous step, not yet trained on
+    skipped: int = 0       # updates in a row with a step skipped for a non-finite loss or gradient
     graphs: dict = None    # --cuda-graphs on a GPU: (rows, cache slots) -> GraphDecoder
     splits: dict = field(default_factory=dict)  # (template, kind of text) -> its (head, tail), or None
 

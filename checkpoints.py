@@ -1,9 +1,12 @@
 """Checkpoints of a run: each agent's weights, tokenizer and optimizer state, the RNG states, the unsync
 batch and the place in the schedule; and the frozen reference of --kl-coef.
 
-A checkpoint is a folder <out>/ckpt-<schedule position>; its state.pt loads with weights_only=True,
-so a planted file cannot run code. A save goes to a temporary folder that is renamed into place, so a
-kill at any moment leaves the earlier checkpoints whole.
+A checkpoint is a folder <out>/ckpt-<schedule position>, or ckpt-<position>.<n> when that position is
+saved again (each cold-start round saves position 0); its state.pt loads with weights_only=True, so
+a planted file cannot run code. A save never writes over a checkpoint: it goes to a temporary
+folder, is fsynced, and is renamed to a name no checkpoint has, and only then do older ones go (each
+renamed aside before it is deleted). So a kill at any instruction leaves a whole copy to resume
+from: the new one, or the one before.
 """
 import dataclasses
 import os
@@ -17,63 +20,120 @@ from transformers import AutoModelForCausalLM
 
 from agents import Traj
 
+NAME = re.compile(r"ckpt-(\d{8})(?:\.(\d+))?")
+KEEP = 2  # checkpoints kept
+
+
+class CheckpointError(RuntimeError):
+    """Checkpoints are there, and none of them can be loaded: the message names each and why."""
+
+
+def order(path):
+    """(schedule position, how many times saved before) of a checkpoint folder."""
+    m = NAME.fullmatch(os.path.basename(path))
+    return int(m.group(1)), int(m.group(2) or 0)
+
 
 def checkpoints(out):
     """The checkpoint folders in <out>, oldest first."""
-    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    return [os.path.join(out, n) for n in names if re.fullmatch(r"ckpt-\d{8}", n)]
+    names = os.listdir(out) if os.path.isdir(out) else []
+    return sorted((os.path.join(out, n) for n in names if NAME.fullmatch(n)), key=order)
 
 
-def save_checkpoint(out, agents, index, n_metrics, sft_rounds=None):
-    """<out>/ckpt-<index>; the last two are kept. n_metrics: lines of metrics.jsonl it covers.
-    sft_rounds: saved within the cold start, after that many rounds (None: the cold start is over)."""
-    tmp = os.path.join(out, f"ckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+def fsync_tree(path):
+    """Every file under `path` and every folder, down to the disk, folders after their files."""
+    for folder, _, files in os.walk(path, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_state(folder, agents, index, n_metrics, sft_rounds):
+    """The agents and state.pt into `folder`."""
     for name, a in agents.items():
-        a.model.save_pretrained(os.path.join(tmp, name))
-        a.tok.save_pretrained(os.path.join(tmp, name))
+        a.model.save_pretrained(os.path.join(folder, name))
+        a.tok.save_pretrained(os.path.join(folder, name))
     pending = {n: ([dataclasses.asdict(t) for t in a.pending[0]], a.pending[1].tolist())
                for n, a in agents.items() if a.pending}
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     torch.save({"index": index, "metrics_lines": n_metrics, "sft_rounds": sft_rounds, "pending": pending,
                 "opt": {n: a.opt.state_dict() for n, a in agents.items()}, "rng": rng},
-               os.path.join(tmp, "state.pt"))
-    final = os.path.join(out, f"ckpt-{index:08d}")
-    if os.path.exists(final):  # a cold-start round's, or one from before a crash and --resume: set aside, not
-        os.replace(final, tmp + "-old")  # deleted, so that only the instant between two renames has none
-    os.replace(tmp, final)
-    leftovers = [os.path.join(out, n) for n in os.listdir(out) if n.startswith("ckpt-tmp-")]
-    for path in checkpoints(out)[:-2] + leftovers:
-        shutil.rmtree(path, ignore_errors=True)  # older ones, and what saves killed midway left
+               os.path.join(folder, "state.pt"))
+
+
+def save_checkpoint(out, agents, index, n_metrics, sft_rounds=None):
+    """<out>/ckpt-<index> (or .<n>, saved again); the last KEEP are kept. n_metrics: lines of
+    metrics.jsonl it covers. sft_rounds: saved within the cold start, after that many rounds (None:
+    the cold start is over)."""
+    tmp = os.path.join(out, f"ckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    write_state(tmp, agents, index, n_metrics, sft_rounds)
+    fsync_tree(tmp)
+    again = [order(p)[1] + 1 for p in checkpoints(out) if order(p)[0] == index]
+    final = os.path.join(out, f"ckpt-{index:08d}" + (f".{max(again)}" if again else ""))
+    os.rename(tmp, final)  # a new name: no checkpoint is ever written over
+    fsync_dir(out)
+    for path in checkpoints(out)[:-KEEP]:  # older ones: renamed aside first, so none is left half deleted
+        aside = os.path.join(out, f"ckpt-tmp-old-{secrets.token_hex(4)}")
+        os.rename(path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    for name in os.listdir(out):  # what saves and deletions killed midway left
+        if name.startswith("ckpt-tmp-"):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
 
 
 def load_checkpoint(out, names, load):
     """(agents, schedule position, metrics lines, cold-start rounds done or None when it is over) from
-    the newest readable checkpoint in <out>, or None. load(path) builds an agent from a saved folder."""
+    the newest readable checkpoint in <out>, or None if there is none; CheckpointError if there are
+    checkpoints but none loads. load(path) builds an agent from a saved folder."""
+    failures = []
     for path in reversed(checkpoints(out)):
         try:
-            state, agents = torch.load(os.path.join(path, "state.pt"), weights_only=True), {}  # never unpickles code
-            for name in names:
-                a = agents[name] = load(os.path.join(path, name))
-                a.opt.load_state_dict(state["opt"][name])
-                if name in state["pending"]:
-                    trajs, adv = state["pending"][name]
-                    a.pending = ([Traj(**t) for t in trajs], torch.tensor(adv))
-            python = state["rng"]["python"]
-            random.setstate((python[0], tuple(python[1]), python[2]))
-            torch.set_rng_state(state["rng"]["torch"])
-            if state["rng"]["cuda"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-            rounds = state.get("sft_rounds")
-            return agents, int(state["index"]), int(state["metrics_lines"]), None if rounds is None else int(rounds)
+            return read_checkpoint(path, names, load)
         except Exception as e:  # noqa: BLE001  (a broken checkpoint of any kind: try the one before)
+            failures.append(f"{path}: {type(e).__name__}: {e}")
             print(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {e}); trying the one before", flush=True)
+    if failures:
+        raise CheckpointError(f"no checkpoint in {out} can be loaded, and nothing there was changed:\n  "
+                              + "\n  ".join(failures))
     return None
 
 
+def read_checkpoint(path, names, load):
+    state, agents = torch.load(os.path.join(path, "state.pt"), weights_only=True), {}  # never unpickles code
+    for name in names:
+        if name not in state["opt"]:
+            raise KeyError(f"it holds no {name!r} agent (its agents: {sorted(state['opt'])})")
+        a = agents[name] = load(os.path.join(path, name))
+        a.opt.load_state_dict(state["opt"][name])
+        if name in state["pending"]:
+            trajs, adv = state["pending"][name]
+            a.pending = ([Traj(**t) for t in trajs], torch.tensor(adv))
+    python = state["rng"]["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    rounds = state.get("sft_rounds")
+    return agents, int(state["index"]), int(state["metrics_lines"]), None if rounds is None else int(rounds)
+
+
 def clear_run(out):
-    """A fresh run in a used folder: an earlier run's checkpoints, reference and cold-start check go,
-    so that pruning cannot drop the new run's checkpoints as older, nor --resume continue the old run."""
+    """A fresh run over an earlier one (--overwrite): its checkpoints, reference and cold-start check
+    go, so that pruning cannot drop the new run's checkpoints as older, nor --resume continue the old
+    run."""
     for path in checkpoints(out) + [os.path.join(out, "ref")]:
         shutil.rmtree(path, ignore_errors=True)
     if os.path.exists(os.path.join(out, "sft_check.json")):

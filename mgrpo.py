@@ -47,6 +47,7 @@ from agents import Traj, load_agent, message_ids, new_traj
 from cold_start import before_rl
 from report import Log, report
 from sampling import collate, generate, token_logprobs
+from records import exchange_ok, phase_key, results_ok, store_record, tasks_ok
 from store import StoreError
 from tools import FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
 
@@ -112,9 +113,11 @@ class Args:
     run_id: str = arg("run", "names this run's records inside the store")
     unsync: bool = arg(False, "S trains on the step before's data (the paper's off-policy version)")
     peer_timeout: float = arg(60.0, "seconds without the other role's heartbeat before stopping")
-    progress_timeout: float = arg(0.0, "seconds to wait for one record of a live peer; 0: no limit")
+    progress_timeout: float = arg(-1.0, "seconds to wait for a record of a live peer; 0: no limit; "
+                                  "-1: 10 x the slowest phase so far, at least 30 min")
     out: str = arg("", "output folder; empty: runs/<time>-seed<seed>")
     resume: bool = arg(False, "continue from the last checkpoint in --out")
+    overwrite: bool = arg(False, "start afresh in an --out that holds a run: its checkpoints go")
     save_every: int = arg(1, "checkpoint every N steps (and after each evaluation)")
 
 
@@ -269,7 +272,10 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     kl_coef * k3 per token to a frozen reference, k3 = exp(ref - logp) - (ref - logp) - 1.
     """
     m = mask.to(logp.dtype)
-    log_ratio = torch.where(mask.bool(), logp - old_logp, torch.zeros_like(logp))
+    # clamped before exp, as production trainers do: a log-ratio past ~88 (a stale or corrupted
+    # old_logp) overflows float32 to inf, and inf * 0 is NaN; a ratio beyond e^20 says no more
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(logp))
     ratio = log_ratio.exp()
     a = advantages.to(logp.dtype)[:, None]
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
@@ -296,53 +302,80 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     return loss, stats
 
 
-def update_agent(agent, trajs, adv, args):
-    """One agent's policy step(s) on its own batch; returns stats with the time split.
-    Micro-batches weight their loss so that the sum is the whole batch's loss (normalised over
-    the whole batch, not per micro-batch)."""
-    model, dev = agent.model, agent.model.device
-    ids, attn, mask, old = collate(trajs, agent.pad_id, dev)
-    adv = adv.to(dev)
-    B, mb = len(trajs), args.micro_batch or len(trajs)
+def backward(agent, batch, adv, ref, args, acc):
+    """One pass of the clipped surrogate over a batch, micro-batch by micro-batch, gradients
+    accumulated; False at the first loss that is not finite. Each micro-batch's loss is weighted
+    by its share of the whole batch (of its rows, seq-mean; of its tokens, token-mean), so the sum
+    is the whole batch's loss: normalised over the batch, never per micro-batch."""
+    ids, attn, mask, old = batch
+    B, mb = len(ids), args.micro_batch or len(ids)
     n_tok = mask.sum().clamp(min=1)
+    for s in range(0, B, mb):
+        t0 = time.perf_counter()
+        sl = slice(s, s + mb)
+        with agent.autocast():
+            logp = token_logprobs(agent.model, ids[sl], attn[sl])
+        loss, stats = policy_loss(logp, old[sl], adv[sl], mask[sl], args.eps_low, args.eps_high,
+                                  args.loss_agg, None if ref is None else ref[sl], args.kl_coef)
+        if not torch.isfinite(loss):
+            return False
+        w = (min(mb, B - s) / B) if args.loss_agg == "seq-mean" else mask[sl].sum() / n_tok
+        t1 = time.perf_counter()
+        (loss * w).backward()
+        acc["t_fwd"] += t1 - t0
+        acc["t_bwd"] += time.perf_counter() - t1
+        for key in ("clip_frac", "approx_kl", "kl_ref"):  # token-weighted means over the epochs
+            acc[key] += stats.get(key, 0.0) * stats["tokens"] / float(n_tok) / args.ppo_epochs
+    return True
+
+
+MAX_SKIPPED = 3  # updates in a row whose loss or gradient is not finite, before the run stops
+
+
+def update_agent(agent, trajs, adv, args):
+    """One agent's policy step(s) on its own batch, one per --ppo-epochs; stats with the time split.
+    A step whose loss or gradient norm is not finite changes no weight: it is skipped with a
+    warning and counted (`skipped`); MAX_SKIPPED updates in a row with one stop the run."""
+    dev = agent.model.device
+    batch = collate(trajs, agent.pad_id, dev)
+    ids, attn, mask, _ = batch
+    mb = args.micro_batch or len(trajs)
     ref = None
     if agent.ref is not None:  # --kl-coef: the frozen reference's log-probs, once per batch
         with torch.no_grad(), agent.autocast():
             ref = torch.cat([token_logprobs(agent.ref, ids[s:s + mb], attn[s:s + mb])
-                             for s in range(0, B, mb)])
-    acc = {"clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "t_fwd": 0.0, "t_bwd": 0.0}
-    model.train(args.grad_checkpointing)  # recomputing needs train mode (no dropout: checked)
+                             for s in range(0, len(trajs), mb)])
+    acc = {"clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "t_fwd": 0.0, "t_bwd": 0.0,
+           "skipped": 0}
+    agent.model.train(args.grad_checkpointing)  # recomputing needs train mode (no dropout: checked)
     for _ in range(args.ppo_epochs):
         agent.opt.zero_grad(set_to_none=True)
-        for s in range(0, B, mb):
-            t0 = time.perf_counter()
-            sl = slice(s, s + mb)
-            with agent.autocast():
-                logp = token_logprobs(model, ids[sl], attn[sl])
-            loss, stats = policy_loss(logp, old[sl], adv[sl], mask[sl], args.eps_low, args.eps_high,
-                                      args.loss_agg, None if ref is None else ref[sl], args.kl_coef)
-            # each micro-batch's share of the whole batch: of its rows (seq-mean) or tokens
-            w = (min(mb, B - s) / B) if args.loss_agg == "seq-mean" else mask[sl].sum() / n_tok
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {loss.item()} in the update; stopping")
-            t1 = time.perf_counter()
-            (loss * w).backward()
-            acc["t_fwd"] += t1 - t0
-            acc["t_bwd"] += time.perf_counter() - t1
-            for key in ("clip_frac", "approx_kl", "kl_ref"):  # token-weighted means over the epochs
-                acc[key] += stats.get(key, 0.0) * stats["tokens"] / float(n_tok) / args.ppo_epochs
+        finite = backward(agent, batch, adv.to(dev), ref, args, acc)
         t1 = time.perf_counter()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()}; stopping")
-        agent.opt.step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
+        if finite and torch.isfinite(grad_norm):
+            agent.opt.step()
+        else:
+            acc["skipped"] += 1
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # the time split is the GPU's, not the launch queue's
         acc["t_bwd"] += time.perf_counter() - t1
-    model.eval()
-    return {**acc, "grad_norm": float(grad_norm), "tokens": float(n_tok) * args.ppo_epochs,
+    agent.model.eval()
+    skipped_in_a_row(agent, acc["skipped"])
+    return {**acc, "grad_norm": float(grad_norm), "tokens": float(mask.sum()) * args.ppo_epochs,
             "tokens_in": float(attn.sum()) * args.ppo_epochs,  # all tokens through the model (MFU)
-            "sequences": B * args.ppo_epochs}
+            "sequences": len(trajs) * args.ppo_epochs}
+
+
+def skipped_in_a_row(agent, skipped):
+    """Count updates with a skipped step in a row; warn, and stop the run at MAX_SKIPPED."""
+    agent.skipped = agent.skipped + 1 if skipped else 0
+    if skipped:
+        print(f"warning: a step with a non-finite loss or gradient was skipped ({agent.skipped} "
+              f"in a row; {MAX_SKIPPED} stop the run)", flush=True)
+    if agent.skipped >= MAX_SKIPPED:
+        raise FloatingPointError(f"{MAX_SKIPPED} updates in a row had a non-finite loss or gradient "
+                                 "norm: the weights or the data are broken; stopping")
 
 
 # =========================================================================================
@@ -389,7 +422,8 @@ def sub_side(sub_trajs, exchange, questions, task, D, rng, w=(0.1, 0.4, 0.5)):
 
 
 # what each agent's update logs, as <name>_main and <name>_sub
-UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences")
+UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences",
+                "skipped")
 
 
 def sub_step(sub, sub_trajs, exchange, questions, step, args, task):
@@ -495,7 +529,7 @@ def train(agents, args, task, search, store, log, start):
     delegate = RemoteSub(store) if store else functools.partial(run_sub_agents, sub, args, search)
     for idx, (kind, step, greedy) in enumerate(schedule(args)[start:], start):
         if store:
-            store.phase = idx  # published in the heartbeat, and names the phase's records
+            store.enter_phase(idx)  # published in the heartbeat, and names the phase's records
         if kind == "step":
             rec = train_step(main_agent, sub, step, args, task, delegate, search, store)
         else:
@@ -508,55 +542,8 @@ def train(agents, args, task, search, store, log, start):
 
 # =========================================================================================
 # 8. Decoupled training (the paper's Fig. 3): S in the other process, one directory of small
-#    records between them (store.py: the file layer, atomic writes, locks, heartbeats)
+#    records between them (records.py: what each role writes, checked; store.py: the file layer)
 # =========================================================================================
-# What crosses the store besides the run's settings and the heartbeats: per main turn, the sub-tasks
-# one way and S's answers the other; after the rollouts, `exchange` (section 6). The checks below
-# hold for what the peer writes; a store is untrusted input, so anything else is an error that
-# names the record.
-def phase_key(idx):
-    return f"p{idx:06d}"
-
-
-def questions_ok(pairs):
-    return all(type(seed) is int and type(level) is int for seed, level in pairs)
-
-
-def tasks_ok(rec):
-    return (all(type(t) is str for t in rec["tasks"]) and len(rec["tasks"]) == len(rec["questions"])
-            and questions_ok(rec["questions"]) and type(rec["seed"]) is int
-            and type(rec["greedy"]) is bool)
-
-
-def results_ok(rec, n_tasks):
-    """S's answers: one (text or None, format ok) per sub-task asked."""
-    answers_ok = [(a is None or type(a) is str) and type(ok) is bool for a, ok in rec["results"]]
-    return len(answers_ok) == n_tasks and all(answers_ok)
-
-
-def exchange_ok(rec, n_subs):
-    """M's statistics: per rollout a query among the questions, and sub-trajectories S holds."""
-    for e in rec["exchange"]:
-        subs_ok = all(type(i) is int and 0 <= i < n_subs for i in e["subs"])
-        if not (0 <= e["query"] < len(rec["questions"]) and type(e["rollout"]) is int
-                and type(e["correct"]) is bool and subs_ok):
-            return False
-    return questions_ok(rec["questions"])
-
-
-def store_record(store, key, rec, check, task=None):
-    """(rec, the questions it names, if a task is given) if check(rec) holds; else a StoreError."""
-    try:
-        if check(rec) and task is None:
-            return rec, None
-        if check(rec):
-            return rec, [task.make_question(seed, level) for seed, level in rec["questions"]]
-    except (KeyError, TypeError, ValueError, IndexError):
-        pass
-    raise StoreError(f"store {store.dir}: record {key} is not what the {store.peer} role writes; "
-                     f"start both roles on an empty store (or another --run-id)")
-
-
 class RemoteSub:
     """S in the other process, as M's side sees it: each turn's sub-tasks go into the store, S's
     answers come back (S keeps its own token ids and log-probs). Turns count from 0 each phase."""
@@ -605,7 +592,7 @@ def serve_sub(agents, args, task, search, store, log, start):
     S's side once M's side has written its statistics."""
     sub = agents["sub"]
     for idx, (kind, step, _) in enumerate(schedule(args)[start:], start):
-        store.phase = idx
+        store.enter_phase(idx)
         t0 = time.perf_counter()
         sub_trajs, t_gen, done = serve_turns(sub, args, task, search, store, phase_key(idx))
         rec = None

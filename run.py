@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from agents import SIZES, prompt_ids
-from checkpoints import clear_run, load_checkpoint
+from checkpoints import CheckpointError, checkpoints, clear_run, load_checkpoint
 from store import FileStore, StoreError
 from tools import HttpSearch, SearchError
 
@@ -100,8 +100,9 @@ def problems(a):
         (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
         (a.resume and not a.out, "--resume needs the --out of the run to continue"),
-        (a.save_every < 1 or a.peer_timeout <= 0 or a.progress_timeout < 0,
-         "--save-every must be >= 1, --peer-timeout > 0 and --progress-timeout >= 0"),
+        (a.resume and a.overwrite, "--resume continues a run, --overwrite starts afresh over it: one of them"),
+        (a.save_every < 1 or a.peer_timeout <= 0 or (a.progress_timeout < 0 and a.progress_timeout != -1),
+         "--save-every must be >= 1, --peer-timeout > 0 and --progress-timeout >= 0 (or -1: auto)"),
         (a.search_timeout <= 0 or a.search_retries < 0, "--search-timeout must be > 0, --search-retries >= 0")]
     return [message for bad, message in checks if bad]
 
@@ -206,19 +207,62 @@ def open_store(args):
     return store
 
 
+# what a --resume must agree on with the run it continues: its agents, its task and its schedule
+SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
+            "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat")
+
+
 def resume_or_start(args, out, load):
     """(agents, schedule position, metrics lines, cold-start rounds done or None once RL began): from
-    the last readable checkpoint in `out` with --resume, else new agents in a cleared folder."""
-    return resume(args, out, load) or start_afresh(args, out, load)
+    the last readable checkpoint in `out` with --resume, else new agents. Nothing in `out` is touched
+    before it is clear that it may be: a resume with other settings than the run's, a resume whose
+    checkpoints all fail to load, and a fresh start over a run without --overwrite stop here."""
+    if args.resume:
+        same_run(args, out)
+        resumed = resume(args, out, load)
+        if resumed:
+            return resumed
+        print(f"no checkpoint in {out}: starting afresh", flush=True)
+    elif holds_run(out) and not args.overwrite:
+        raise SystemExit(f"error: {out} holds a run: continue it with --resume, or start afresh over it "
+                         "with --overwrite (its checkpoints go), or pick another --out")
+    return start_afresh(args, out, load)
+
+
+def holds_run(out):
+    """Does `out` hold a run: checkpoints, its settings, or metrics?"""
+    metrics = os.path.join(out, "metrics.jsonl")
+    return bool(checkpoints(out)) or os.path.exists(os.path.join(out, "args.json")) or (
+        os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+
+
+def same_run(args, out):
+    """--resume: stop, touching nothing, if the settings contradict those in <out>/args.json."""
+    path = os.path.join(out, "args.json")
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path} cannot be read ({e}); --resume needs the run's settings") from None
+    now = json.loads(json.dumps(dataclasses.asdict(args)))  # as args.json holds them
+    diff = {k: (saved[k], now[k]) for k in SAME_RUN if k in saved and saved[k] != now[k]}
+    if diff:
+        raise SystemExit(f"error: --resume with other settings than the run in {out} has (the run's, "
+                         f"yours): {diff}; resume with its settings, or start afresh with --overwrite")
 
 
 def resume(args, out, load):
     """--resume: resume_or_start's tuple from the last readable checkpoint in `out`, with
     metrics.jsonl cut back to it; None if there is none."""
-    resumed = load_checkpoint(out, agent_names(args), load) if args.resume else None
+    try:
+        resumed = load_checkpoint(out, agent_names(args), load)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
     if resumed is None:
-        if args.resume:
-            print(f"no checkpoint in {out}: starting afresh", flush=True)
         return None
     path = os.path.join(out, "metrics.jsonl")
     with open(path) as f:

@@ -20,32 +20,41 @@ class StoreError(RuntimeError):
 class FileStore:
     """The shared store: one small JSON file per record under <root>/<run_id>/.
 
-    Writes are atomic (a temporary file created exclusively, never through a symlink, fsynced, renamed);
-    keys are checked, so no record lands outside the directory; a record that is no JSON object, or a
-    symlink, is an error that names it; a lock keeps a second process of a role off the store. Each role
-    writes a heartbeat with a counter every second, which the reader times on its own clock (the
-    machines' clocks need not agree): a peer whose counter stood still for `timeout` s is gone; with
-    `progress_timeout`, a wait for one record of a live peer ends after that long. Both raise StoreError.
+    Writes are atomic: a temporary file created exclusively (never through a symlink) and locked by
+    its writer until it is fsynced and renamed into place; a failed write removes it. Keys are
+    checked, so no record lands outside the directory; a record that is no JSON object, or a
+    symlink, is an error that names it; a lock keeps a second process of a role off the store until
+    the first closes it. Each role writes a heartbeat with a counter every second, which the reader
+    times on its own clock (the machines' clocks need not agree): a peer whose counter stood still
+    for `timeout` s is gone. A wait for one record of a live peer that is in the schedule ends after
+    `progress_timeout` s (0: never; -1, auto: AUTO_FACTOR times the slowest phase this role has seen,
+    at least AUTO_FLOOR s). Both raise StoreError.
     """
     KEY, MAX_BYTES = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"), 64 * 2 ** 20
+    AUTO_FLOOR, AUTO_FACTOR = 1800.0, 10.0
 
-    def __init__(self, root, run_id, role, timeout=60.0, progress_timeout=0.0):
+    def __init__(self, root, run_id, role, timeout=60.0, progress_timeout=-1.0):
         self.dir, self.role = os.path.join(root, self.check(run_id)), role
         self.peer = {"main": "sub", "sub": "main"}.get(role)
         os.makedirs(self.dir, exist_ok=True)
         self.timeout, self.progress_timeout = timeout, progress_timeout
-        self.io_time = 0.0           # seconds spent reading and writing records, not waiting
-        self.phase = self.saved = 0  # published in the heartbeat: the schedule position worked on, saved
-        self.beat_error = None       # set by the heartbeat thread when its writes keep failing
+        self.io_time = 0.0     # seconds spent reading and writing records, not waiting
+        self.phase = -1        # published in the heartbeat: the schedule position worked on (-1: starting)
+        self.saved = 0         # published too: the schedule position of the last checkpoint
+        self.slowest = 0.0     # the longest phase this role has seen, in seconds
+        self.phase_start = time.monotonic()
+        self.beat_error = None  # set by the heartbeat thread when its writes keep failing
         self.seen = (None, time.monotonic())  # the peer's heartbeat counter, and when it last moved
-        self.stop = threading.Event()
+        self.stop, self.lock, self.beater = threading.Event(), None, None
         if self.peer:
             self.lock = os.open(os.path.join(self.dir, f"lock-{role}"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 fcntl.lockf(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
+                os.close(self.lock)
                 raise StoreError(f"another {role} role is running on the store {self.dir}") from None
-            threading.Thread(target=self.beat, daemon=True).start()
+            self.beater = threading.Thread(target=self.beat, daemon=True)
+            self.beater.start()
 
     def check(self, key):
         if not isinstance(key, str) or not self.KEY.fullmatch(key) or ".." in key:
@@ -55,21 +64,45 @@ class FileStore:
     def path(self, key):
         return os.path.join(self.dir, self.check(key) + ".json")
 
+    def enter_phase(self, idx):
+        """This role starts schedule position `idx`: published in the heartbeat, and the phase before
+        it timed (the auto progress timeout follows the slowest)."""
+        now = time.monotonic()
+        if self.phase >= 0:
+            self.slowest = max(self.slowest, now - self.phase_start)
+        self.phase, self.phase_start = idx, now
+
     def put(self, key, obj):
         if self.beat_error:
             raise StoreError(self.beat_error)
         t0 = time.perf_counter()
-        self.write(key, obj)
+        try:
+            self.write(key, obj)
+        except FileNotFoundError:  # the temporary file went (a prune that judged it stale): write it again
+            self.write(key, obj)
         self.io_time += time.perf_counter() - t0
 
     def write(self, key, obj):
+        """Atomically: a temporary file (named for this process, never ending in .json, so never read
+        as a record), locked while it is written, fsynced, renamed; removed if anything fails."""
         path = self.path(key)
-        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(6)}.tmp"  # never ends in .json: never read
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
-            json.dump(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # prune leaves a locked temporary file alone
+            with os.fdopen(os.dup(fd), "w") as f:
+                json.dump(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(fd)
 
     def read(self, key):
         """The record, a JSON object, or None if it is not there (yet)."""
@@ -88,6 +121,12 @@ class FileStore:
             raise StoreError(f"store {self.dir}: record {key} is not a JSON object of at most {self.MAX_BYTES} bytes")
         return rec
 
+    def progress_limit(self):
+        """Seconds a wait for one record of a live peer may take (0: no limit)."""
+        if self.progress_timeout >= 0:
+            return self.progress_timeout
+        return max(self.AUTO_FLOOR, self.AUTO_FACTOR * self.slowest)
+
     def wait(self, *keys):
         """(key, record) of the first of `keys` present; polls, watching the peer's heartbeat."""
         delay, t_start = 0.0005, time.monotonic()
@@ -98,12 +137,22 @@ class FileStore:
                     return key, rec
             if time.monotonic() - last_check > 1.0:
                 heartbeat, last_check = self.check_peer(), time.monotonic()
-                if self.progress_timeout and last_check - t_start > self.progress_timeout:
-                    raise StoreError(f"waited {last_check - t_start:.0f}s for {' or '.join(keys)} in {self.dir}; the "
-                                     f"{self.peer} role is alive but stays in phase {heartbeat.get('phase')} "
-                                     f"(--progress-timeout)")
+                self.check_progress(keys, heartbeat, last_check - t_start)
             time.sleep(delay)
             delay = min(2 * delay, 0.02)
+
+    def check_progress(self, keys, heartbeat, waited):
+        """StoreError if the live peer has been in the schedule for the whole wait and the wait has
+        passed the progress limit. A peer still starting (phase -1: loading, its cold start) is not
+        held to it."""
+        limit, phase = self.progress_limit(), heartbeat.get("phase")
+        if not limit or waited <= limit or type(phase) is not int or phase < 0:
+            return
+        how = ("--progress-timeout" if self.progress_timeout >= 0 else
+               f"auto: {self.AUTO_FACTOR:g} x this role's slowest phase so far, at least {self.AUTO_FLOOR:g} s")
+        raise StoreError(f"waited {waited:.0f} s for record {' or '.join(keys)} in {self.dir}; the {self.peer} role "
+                         f"is alive but stays in phase {phase} of the schedule. If that phase can take longer, raise "
+                         f"--progress-timeout on this role (the limit was {limit:.0f} s, {how}; 0: no limit)")
 
     def check_peer(self):
         """The peer's heartbeat ({} if unreadable); StoreError if its counter has not moved for `timeout`
@@ -148,7 +197,15 @@ class FileStore:
                 return
 
     def close(self):
+        """Stop the heartbeat and release the role's lock (another process of this role may then open
+        the store). Closing twice is harmless."""
         self.stop.set()
+        if self.beater is not None:
+            self.beater.join()
+            self.beater = None
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
     def __enter__(self):
         return self
@@ -157,12 +214,26 @@ class FileStore:
         self.close()
 
     def prune(self, before):
-        """Delete the records of phases before schedule position `before`, and stale temporary files."""
+        """Delete the records of phases before schedule position `before`, and stale temporary files:
+        any that no writer holds locked, whatever its time stamp, but this process's own."""
         for name in os.listdir(self.dir):
             path, m = os.path.join(self.dir, name), re.fullmatch(r"p(\d+)-.*\.json", name)
             try:
-                if (m and int(m.group(1)) < before) or (
-                        name.endswith(".tmp") and time.time() - os.lstat(path).st_mtime > self.timeout):
+                if m and int(m.group(1)) < before:
                     os.remove(path)
+                elif name.endswith(".tmp") and f".{os.getpid()}." not in name:
+                    self.remove_stale(path)
             except OSError:  # the other role's rename got there first, or a planted directory
                 pass
+
+    @staticmethod
+    def remove_stale(path):
+        """Remove a temporary file unless its writer holds it locked (it is writing it now), and only if
+        the path still names the file that was locked (not a record it became)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live writer has it
+            if os.fstat(fd).st_ino == os.lstat(path).st_ino:
+                os.remove(path)
+        finally:
+            os.close(fd)

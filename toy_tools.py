@@ -34,6 +34,7 @@ import argparse
 import json
 import random
 import re
+import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
@@ -151,6 +152,8 @@ class ToySearch:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    timeout = 10.0  # seconds a connection may sit idle or half-sent before it is closed
+
     def do_GET(self):
         u = urlparse(self.path)
         qs = parse_qs(u.query)
@@ -162,8 +165,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if level not in N_SNIPPETS:
                     raise ValueError("no such level")
                 results = search_results(seed, level, query)
-                for r in results:  # the pages live on this server
-                    r["url"] = r["url"].replace("toy:/", f"http://{self.headers.get('Host', 'localhost')}", 1)
+                host, port = self.server.server_address[:2]
+                for r in results:  # the pages live on this server, at its own address (not the request's Host)
+                    r["url"] = r["url"].replace("toy:/", f"http://{host}:{port}", 1)
                 code, body = 200, json.dumps({"query": query, "results": results})
             elif u.path.startswith("/page/") and (page := toy_page("toy:/" + u.path)) is not None:
                 title, text = page.split(" ", 1)
@@ -185,9 +189,31 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def make_server(port=0):
+class ToyServer(ThreadingHTTPServer):
+    """The toy search server: a thread per connection, at most `max_connections` at once (one more
+    is closed at once), each cut after its handler's `timeout` of silence."""
+    daemon_threads = True
+
+    def __init__(self, address, max_connections=32):
+        super().__init__(address, _Handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):  # full: this connection is refused
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def make_server(port=0, max_connections=32):
     """A toy search server on 127.0.0.1 (port 0: any free port); call .serve_forever()."""
-    return ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+    return ToyServer(("127.0.0.1", port), max_connections)
 
 
 # ---------------------------------------------------------------------------------------

@@ -147,6 +147,8 @@ def run(name, argv, out, resume=False):
         if old != argv:
             raise RuntimeError(f"{folder} holds a run with other options ({' '.join(map(str, old))}); "
                                "use another --out")
+    if not resume and os.path.exists(os.path.join(folder, "args.json")):
+        raise RuntimeError(f"{folder} holds a run: continue the comparison with --resume, or use another --out")
     if resume and old is not None:
         if os.path.exists(summary_file):
             print(f"  reused {name} (finished before)", flush=True)

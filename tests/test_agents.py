@@ -117,11 +117,23 @@ def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
     assert full.abs().sum() > 1e-3 and torch.allclose(full, micro, atol=1e-6)  # not two zero gradients
 
 
-def test_non_finite_loss_fails_fast(args, agents):
-    main, _ = agents
-    trajs = [encode_demo(main, toy_tools.sub_demo(toy_tools.make_question(1, 1), random.Random(1), 0.0), "sub")]
-    with pytest.raises(FloatingPointError):
-        mgrpo.update_agent(copy.deepcopy(main), trajs, torch.tensor([float("nan")]), args)
+def test_a_non_finite_step_is_skipped_and_three_in_a_row_stop_the_run(args, agents, capsys):
+    """A NaN loss changes no weight and no optimizer state: the step is skipped, with a warning,
+    and counted in the update's stats; MAX_SKIPPED in a row stop the run, a good one in between
+    starts the count again."""
+    agent = copy.deepcopy(agents[0])
+    trajs = [encode_demo(agent, toy_tools.sub_demo(toy_tools.make_question(1, 1), random.Random(1), 0.0), "sub")]
+    before = copy.deepcopy(agent.model.state_dict())
+    nan, one = torch.tensor([float("nan")]), torch.tensor([1.0])
+    for _ in range(mgrpo.MAX_SKIPPED - 1):
+        assert mgrpo.update_agent(agent, trajs, nan, args)["skipped"] == 1
+    assert all(torch.equal(v, agent.model.state_dict()[k]) for k, v in before.items())  # no weight moved
+    assert agent.opt.state_dict()["state"] == {} and "was skipped (2 in a row" in capsys.readouterr().out
+    assert mgrpo.update_agent(agent, trajs, one, args)["skipped"] == 0 and agent.skipped == 0  # count anew
+    for _ in range(mgrpo.MAX_SKIPPED - 1):
+        mgrpo.update_agent(agent, trajs, nan, args)
+    with pytest.raises(FloatingPointError, match="3 updates in a row"):
+        mgrpo.update_agent(agent, trajs, nan, args)
 
 
 def test_save_and_load_with_from_pretrained(tmp_path, args, agents):

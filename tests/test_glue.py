@@ -121,8 +121,7 @@ def test_groups_are_each_querys_K_rollouts_and_advantages_follow_the_batch(agent
     monkeypatch.setattr(toy_tools, "make_question", lambda seed, level: Q[seed % 2])  # the step's questions: Q
     seen = []
     monkeypatch.setattr(mgrpo, "update_agent", lambda agent, trajs, adv, a: seen.append((trajs, adv)) or {
-        "t_fwd": 0.0, "t_bwd": 0.0, "tokens": 1.0, **{k: 0.0 for k in ("clip_frac", "approx_kl", "kl_ref", "grad_norm",
-                                                                        "tokens_in", "sequences")}})
+        "t_fwd": 0.0, "t_bwd": 0.0, "tokens": 1.0, **{k: 0.0 for k in mgrpo.UPDATE_STATS}})
     rng = random.Random(tools.stable_seed(args.seed, "questions", 1))
     order = [rng.randrange(2 ** 31) % 2 for _ in range(2)]
     assert order[0] != order[1], "pick a step whose two questions differ"

@@ -14,6 +14,7 @@ import torch
 import helpers
 import cold_start
 import mgrpo
+import records
 import toy_tools
 from checkpoints import checkpoints, load_checkpoint, save_checkpoint
 from sampling import token_logprobs
@@ -143,10 +144,10 @@ def test_planted_records_give_errors_that_name_the_record_and_the_store(tmp_path
                     {"tasks": ["x"], "questions": [[1, True]], "seed": 0, "greedy": False},
                     {"tasks": ["x", "y"], "questions": [[1, 1]], "seed": 0, "greedy": False}]:
             with pytest.raises(StoreError, match="p000001-t0-tasks"):
-                mgrpo.store_record(st, "p000001-t0-tasks", rec, mgrpo.tasks_ok)
+                records.store_record(st, "p000001-t0-tasks", rec, records.tasks_ok)
         with pytest.raises(StoreError, match="p000001-t0-tasks"):  # a level the task has not
-            mgrpo.store_record(st, "p000001-t0-tasks", {"tasks": ["x"], "questions": [[1, 9]], "seed": 0,
-                                                         "greedy": False}, mgrpo.tasks_ok, toy_tools)
+            records.store_record(st, "p000001-t0-tasks", {"tasks": ["x"], "questions": [[1, 9]], "seed": 0,
+                                                         "greedy": False}, records.tasks_ok, toy_tools)
         # writing over a planted symlink replaces the link, never the file it points to
         st.put("p000001-t5-tasks", {"tasks": []})
         assert victim.read_text() == '{"secret": 1}' and st.read("p000001-t5-tasks") == {"tasks": []}
@@ -186,10 +187,18 @@ def test_a_planted_checkpoint_runs_no_code(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PWNED", str(marker))
     for ckpt in checkpoints(str(out)):
         torch.save({"index": Payload()}, os.path.join(ckpt, "state.pt"))
-    s = mgrpo.main(SHORT + ["--out", str(out), "--resume"])
-    assert not marker.exists()
-    printed = capsys.readouterr().out
-    assert printed.count("cannot be loaded") == 2 and "starting afresh" in printed and s["steps"] == 3
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match="can be loaded, and nothing there was changed") as e:
+        mgrpo.main(SHORT + ["--out", str(out), "--resume"])
+    assert not marker.exists() and snapshot(out) == before  # no code ran, and nothing was deleted
+    assert all(ckpt in str(e.value) for ckpt in checkpoints(str(out)))  # each checkpoint named, with why
+    assert capsys.readouterr().out.count("cannot be loaded") == 2
+
+
+def snapshot(folder):
+    """Every file under `folder`, with its bytes."""
+    return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(folder) for n in names}
 
 
 def load_short(path):  # an agent from a checkpoint folder, as a SHORT run loads it

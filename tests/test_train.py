@@ -118,7 +118,7 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off"), "--resume"])
     assert "sft_check.json cannot be read" in capsys.readouterr().out
     (tmp_path / "off" / "sft_check.json").write_text((tmp_path / "passes" / "sft_check.json").read_text())
-    assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off")])  # a fresh run: not its check
+    assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off"), "--overwrite"])  # not its check
 
 
 @pytest.mark.slow

@@ -142,9 +142,17 @@ def clear_run(out):
 
 def save_reference(out, agents):
     """--kl-coef: each agent as RL starts, saved before the checkpoint that ends the cold start, so that
-    a resumed run always finds it."""
+    a resumed run always finds it; like a checkpoint, written aside, fsynced and renamed in."""
+    tmp, ref = os.path.join(out, f"ckpt-tmp-ref-{secrets.token_hex(4)}"), os.path.join(out, "ref")
     for n, a in agents.items():
-        a.model.save_pretrained(os.path.join(out, "ref", n))
+        a.model.save_pretrained(os.path.join(tmp, n))
+    fsync_tree(tmp)
+    if os.path.exists(ref):  # a cold start cut off and resumed saves it again
+        aside = os.path.join(out, f"ckpt-tmp-old-{secrets.token_hex(4)}")
+        os.rename(ref, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(tmp, ref)
+    fsync_dir(out)
 
 
 def load_reference(out, agents, device):

@@ -270,10 +270,11 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     agg="seq-mean": mean over each row's tokens, then over rows (a row without tokens counts
     0); "token-mean": over all tokens of the batch. ref_logp, kl_coef: an optional penalty
     kl_coef * k3 per token to a frozen reference, k3 = exp(ref - logp) - (ref - logp) - 1.
+    Log-ratios are clamped to [-20, 20] before exp, as production trainers do: one past about 88
+    (a stale S under --unsync, a corrupted old_logp) overflows float32 to inf, inf * 0 is NaN,
+    and one NaN step ruins the weights; a ratio beyond e^20 carries no more signal.
     """
     m = mask.to(logp.dtype)
-    # clamped before exp, as production trainers do: a log-ratio past ~88 (a stale or corrupted
-    # old_logp) overflows float32 to inf, and inf * 0 is NaN; a ratio beyond e^20 says no more
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
     log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(logp))
     ratio = log_ratio.exp()
@@ -282,7 +283,7 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     surr = torch.minimum(ratio * a, clipped_ratio * a)  # eq. 14-19: min(rho A, clip(rho) A)
     per_tok = -surr * m
     if ref_logp is not None and kl_coef:
-        d = torch.where(mask.bool(), ref_logp - logp, torch.zeros_like(logp))
+        d = torch.where(mask.bool(), (ref_logp - logp).clamp(-20.0, 20.0), torch.zeros_like(logp))
         kl_ref = d.exp() - d - 1
         per_tok = per_tok + kl_coef * kl_ref * m
     if agg == "seq-mean":
@@ -352,8 +353,10 @@ def update_agent(agent, trajs, adv, args):
         agent.opt.zero_grad(set_to_none=True)
         finite = backward(agent, batch, adv.to(dev), ref, args, acc)
         t1 = time.perf_counter()
-        grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
-        if finite and torch.isfinite(grad_norm):
+        grad_norm = torch.tensor(float("nan"))  # a non-finite loss: no gradient to clip
+        if finite:
+            grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
+        if torch.isfinite(grad_norm):
             agent.opt.step()
         else:
             acc["skipped"] += 1
@@ -362,7 +365,8 @@ def update_agent(agent, trajs, adv, args):
         acc["t_bwd"] += time.perf_counter() - t1
     agent.model.eval()
     skipped_in_a_row(agent, acc["skipped"])
-    return {**acc, "grad_norm": float(grad_norm), "tokens": float(mask.sum()) * args.ppo_epochs,
+    grad_norm = float(grad_norm) if torch.isfinite(grad_norm) else None  # metrics.jsonl stays JSON
+    return {**acc, "grad_norm": grad_norm, "tokens": float(mask.sum()) * args.ppo_epochs,
             "tokens_in": float(attn.sum()) * args.ppo_epochs,  # all tokens through the model (MFU)
             "sequences": len(trajs) * args.ppo_epochs}
 
@@ -374,8 +378,8 @@ def skipped_in_a_row(agent, skipped):
         print(f"warning: a step with a non-finite loss or gradient was skipped ({agent.skipped} "
               f"in a row; {MAX_SKIPPED} stop the run)", flush=True)
     if agent.skipped >= MAX_SKIPPED:
-        raise FloatingPointError(f"{MAX_SKIPPED} updates in a row had a non-finite loss or gradient "
-                                 "norm: the weights or the data are broken; stopping")
+        raise FloatingPointError(f"{MAX_SKIPPED} updates in a row had a non-finite loss or "
+                                 "gradient norm: the weights or the data are broken; stopping")
 
 
 # =========================================================================================
@@ -620,7 +624,7 @@ def main(argv=None):
     out = run.start(args)  # seeds, threads, the output folder
     search = run.search_tool(args, task)  # probed: a server that is down stops the run here
     load = functools.partial(load_agent, args=args, task=task)
-    with run.open_store(args) as store:  # --role main / sub: the shared store, settings checked
+    with run.own_out(args, out), run.open_store(args) as store:  # checked before they are touched
         agents, start, n_lines, sft_done = run.resume_or_start(args, out, load)
         run.print_plan(args, agents, out)
         check = functools.partial(cold_start_check, agents=agents, args=args, task=task,

@@ -27,6 +27,8 @@ class Log:
                 rec["t_store"] = self.store.io_time - self.io_mark
             with open(os.path.join(self.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())  # on disk before a checkpoint that counts it
             self.lines += 1
             print(progress_line(rec, self.args.steps), flush=True)
         if kind == "eval" or step % self.args.save_every == 0 or idx == self.n_phases - 1:
@@ -47,7 +49,8 @@ def progress_line(rec, steps):
              ("sub_reward", "R_S {sub_reward:.3f} zero-var S {zero_var_sub:.2f} dup {n_dup} drop {n_drop}"),
              ("approx_kl_main", "kl {approx_kl_main:.1e} gn {grad_norm_main:.2f}"), ("t_step", "{t_step:.2f}s"),
              ("t_store", "store {t_store:.2f}s")]
-    return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**rec) for key, text in parts if key in rec])
+    shown = {k: float("nan") if v is None else v for k, v in rec.items()}  # a skipped step's grad norm
+    return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**shown) for key, text in parts if key in rec])
 
 
 def report(args, agents, out, t_start, d_rule):

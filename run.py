@@ -6,6 +6,7 @@ end is in report.py.
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import importlib
 import importlib.util
@@ -207,25 +208,43 @@ def open_store(args):
     return store
 
 
-# what a --resume must agree on with the run it continues: its agents, its task and its schedule
+# what a --resume must agree on with the run it continues: its agents, its task, its schedule (steps
+# may grow: positions up to the old end keep their phases) and its cold start
 SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
-            "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat")
+            "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every",
+            "sft_steps", "sft_levels", "sft_until", "kl_coef")
+
+
+@contextlib.contextmanager
+def own_out(args, out):
+    """This process's hold on the output folder for the whole run: a lock that keeps a second run off
+    it, and the checks that must pass before anything in it or in the store is touched: a --resume
+    with the run's own settings; a fresh start only where no run is, or with --overwrite."""
+    fd = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise SystemExit(f"error: another run is using {out}") from None
+        if args.resume:
+            same_run(args, out)
+        elif holds_run(out) and not args.overwrite:
+            raise SystemExit(f"error: {out} holds a run: continue it with --resume, or start afresh over it "
+                             "with --overwrite (its checkpoints go), or pick another --out")
+        yield
+    finally:
+        os.close(fd)
 
 
 def resume_or_start(args, out, load):
     """(agents, schedule position, metrics lines, cold-start rounds done or None once RL began): from
-    the last readable checkpoint in `out` with --resume, else new agents. Nothing in `out` is touched
-    before it is clear that it may be: a resume with other settings than the run's, a resume whose
-    checkpoints all fail to load, and a fresh start over a run without --overwrite stop here."""
+    the last readable checkpoint in `out` with --resume (a resume whose checkpoints all fail to load
+    stops, touching nothing), else new agents in a folder cleared of an earlier run."""
     if args.resume:
-        same_run(args, out)
         resumed = resume(args, out, load)
         if resumed:
             return resumed
         print(f"no checkpoint in {out}: starting afresh", flush=True)
-    elif holds_run(out) and not args.overwrite:
-        raise SystemExit(f"error: {out} holds a run: continue it with --resume, or start afresh over it "
-                         "with --overwrite (its checkpoints go), or pick another --out")
     return start_afresh(args, out, load)
 
 
@@ -266,10 +285,11 @@ def resume(args, out, load):
         return None
     path = os.path.join(out, "metrics.jsonl")
     with open(path) as f:
-        kept = f.readlines()[:resumed[2]]  # drop the lines of phases after the checkpoint
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)  # atomically: a kill now leaves one whole file
+        lines = f.readlines()
+    if len(lines) < resumed[2]:
+        print(f"warning: {path} has {len(lines)} lines, its checkpoint counts {resumed[2]}; "
+              "the missing phases' metrics are lost", flush=True)
+    write_atomically(path, "".join(lines[:resumed[2]]))  # the lines of phases after the checkpoint go
     print(f"resumed from {out} at schedule position {resumed[1]}" + (
         f", in the cold start after round {resumed[3]}" if resumed[3] is not None else ""), flush=True)
     return resumed
@@ -281,11 +301,19 @@ def start_afresh(args, out, load):
     given = {"main": args.main_model, "sub": args.sub_model}
     agents = {n: load(given[n], seed=args.seed + (n == "sub"), lr=args.lr_sub if n == "sub" else None)
               for n in agent_names(args)}
-    with open(os.path.join(out, "args.json"), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=1)
+    clear_run(out)  # first: a kill from here on leaves no earlier run's checkpoints under new settings
     open(os.path.join(out, "metrics.jsonl"), "w").close()
-    clear_run(out)
+    write_atomically(os.path.join(out, "args.json"), json.dumps(dataclasses.asdict(args), indent=1))
     return agents, 0, 0, 0
+
+
+def write_atomically(path, text):
+    """`path` holds the old text or the new, whatever the moment of a kill or a power loss."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def print_plan(args, agents, out):

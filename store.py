@@ -45,6 +45,7 @@ class FileStore:
         self.phase_start = time.monotonic()
         self.beat_error = None  # set by the heartbeat thread when its writes keep failing
         self.seen = (None, time.monotonic())  # the peer's heartbeat counter, and when it last moved
+        self.peer_phase = (None, time.monotonic())  # the peer's published phase, and since when
         self.stop, self.lock, self.beater = threading.Event(), None, None
         if self.peer:
             self.lock = os.open(os.path.join(self.dir, f"lock-{role}"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -90,10 +91,10 @@ class FileStore:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # prune leaves a locked temporary file alone
-            with os.fdopen(os.dup(fd), "w") as f:
-                json.dump(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
+            data = json.dumps(obj).encode()
+            while data:  # through this one descriptor, so that the lock holds until the rename
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
             os.replace(tmp, path)
         except BaseException:
             try:
@@ -137,13 +138,14 @@ class FileStore:
                     return key, rec
             if time.monotonic() - last_check > 1.0:
                 heartbeat, last_check = self.check_peer(), time.monotonic()
-                self.check_progress(keys, heartbeat, last_check - t_start)
+                self.check_progress(keys, heartbeat, last_check - max(t_start, self.peer_phase[1]))
             time.sleep(delay)
             delay = min(2 * delay, 0.02)
 
     def check_progress(self, keys, heartbeat, waited):
-        """StoreError if the live peer has been in the schedule for the whole wait and the wait has
-        passed the progress limit. A peer still starting (phase -1: loading, its cold start) is not
+        """StoreError if the live peer has been in one phase of the schedule for all of `waited`
+        (counted from the later of the wait's start and the peer's entering that phase) and that is
+        past the progress limit. A peer still starting (phase -1: loading, its cold start) is not
         held to it."""
         limit, phase = self.progress_limit(), heartbeat.get("phase")
         if not limit or waited <= limit or type(phase) is not int or phase < 0:
@@ -164,6 +166,8 @@ class FileStore:
         except StoreError:
             heartbeat = {}  # malformed: it counts as a heartbeat that did not move
         count, now = heartbeat.get("count") if type(heartbeat.get("count")) is int else None, time.monotonic()
+        if heartbeat.get("phase") != self.peer_phase[0]:
+            self.peer_phase = (heartbeat.get("phase"), now)
         if count != self.seen[0]:
             self.seen = (count, now)
         elif now - self.seen[1] > self.timeout:
@@ -201,7 +205,7 @@ class FileStore:
         the store). Closing twice is harmless."""
         self.stop.set()
         if self.beater is not None:
-            self.beater.join()
+            self.beater.join(timeout=self.timeout)  # a write stuck on a hung file system is left behind
             self.beater = None
         if self.lock is not None:
             os.close(self.lock)

@@ -34,6 +34,7 @@ import argparse
 import json
 import random
 import re
+import socket
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -152,7 +153,24 @@ class ToySearch:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    timeout = 10.0  # seconds a connection may sit idle or half-sent before it is closed
+    timeout = 10.0        # seconds a connection may sit silent before it is closed
+    total_timeout = 30.0  # seconds a connection may last in all (one that trickles is cut too)
+
+    def setup(self):
+        super().setup()
+        self.deadline = threading.Timer(self.total_timeout, self.cut)
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def finish(self):
+        self.deadline.cancel()
+        super().finish()
+
+    def cut(self):
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns
+        except OSError:
+            pass
 
     def do_GET(self):
         u = urlparse(self.path)
@@ -202,7 +220,11 @@ class ToyServer(ThreadingHTTPServer):
         if not self.slots.acquire(blocking=False):  # full: this connection is refused
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread to give the slot back
+            self.slots.release()
+            raise
 
     def process_request_thread(self, request, client_address):
         try:

@@ -98,7 +98,7 @@ def main():
               "--run-id", f"check{int(time.time())}", "--peer-timeout", "300", "--lr", str(b.lr)] + b.role_args.split()
     procs = {}
     for role in ("main", "sub"):
-        cmd = [sys.executable, os.path.join(ROOT, "mgrpo.py"), "--role", role,
+        cmd = [sys.executable, os.path.join(ROOT, "mgrpo.py"), "--role", role, "--overwrite",
                f"--{role}-model", os.path.join(models, role), "--out", os.path.join(b.out, role)] + common
         log = open(os.path.join(b.out, f"{role}.log"), "w")
         procs[role] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,

@@ -17,6 +17,7 @@ import torch
 import checkpoints
 import helpers
 import mgrpo
+import run
 import store as store_module
 import toy_tools
 from checkpoints import load_checkpoint, save_checkpoint
@@ -159,17 +160,72 @@ def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient():
     assert torch.isfinite(loss) and loss.item() == pytest.approx((torch.exp(torch.tensor(20.0)) + 1).item() / 2)
 
 
-def test_a_skipped_step_is_counted_in_the_metrics(monkeypatch):
-    args = mgrpo.parse_args(["--sft-steps", "0", "--questions-per-step", "2", "--group-size", "2"])
-    main, sub = helpers.load_agent("", args, seed=1), helpers.load_agent("", args, seed=2)
-    real = mgrpo.policy_loss
-    monkeypatch.setattr(mgrpo, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
-    search = toy_tools.ToySearch()
-    delegate = lambda *a: mgrpo.run_sub_agents(sub, args, search, *a)  # noqa: E731
-    rec = mgrpo.train_step(main, sub, 1, args, toy_tools, delegate, search)
-    assert rec["skipped_main"] == 1 and rec.get("skipped_sub", 1) == 1
-    monkeypatch.setattr(mgrpo, "policy_loss", real)
-    assert mgrpo.train_step(main, sub, 2, args, toy_tools, delegate, search)["skipped_main"] == 0
+def test_a_skipped_step_is_counted_in_the_metrics(tmp_path, monkeypatch):
+    """A step whose loss (step 2) or gradient norm (step 3) is not finite shows in metrics.jsonl as
+    skipped, with no gradient norm: the file stays strict JSON, no NaN in it."""
+    real_loss, real_clip, real_step, now = mgrpo.policy_loss, torch.nn.utils.clip_grad_norm_, mgrpo.train_step, [0]
+
+    def step(main, sub, s, *a, **k):
+        now[0] = s
+        return real_step(main, sub, s, *a, **k)
+
+    def loss(*a, **k):
+        value, stats = real_loss(*a, **k)
+        return (value * float("nan") if now[0] == 2 else value), stats
+    monkeypatch.setattr(mgrpo, "train_step", step)
+    monkeypatch.setattr(mgrpo, "policy_loss", loss)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda *a, **k: torch.tensor(float("inf")) if now[0] == 3 else real_clip(*a, **k))
+    mgrpo.main(SHORT + ["--out", str(tmp_path)])
+
+    def strict(constant):
+        raise AssertionError(f"{constant} in metrics.jsonl")
+    rows = [json.loads(line, parse_constant=strict) for line in open(tmp_path / "metrics.jsonl")]
+    steps = {r["step"]: r for r in rows if "eval" not in r}
+    assert [steps[s]["skipped_main"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert type(steps[1]["grad_norm_main"]) is float and steps[2]["grad_norm_main"] is None is steps[3]["grad_norm_main"]
+
+
+def test_a_refused_start_touches_neither_the_folder_nor_the_store(tmp_path):
+    out = tmp_path / "run"
+    mgrpo.main(SHORT + ["--out", str(out)])
+    before = snapshot(out)
+    with pytest.raises(SystemExit, match="holds a run"):
+        mgrpo.main(SHORT + ["--role", "main", "--store", str(tmp_path / "store"), "--out", str(out)])
+    assert snapshot(out) == before and not os.path.exists(tmp_path / "store")
+
+
+def test_a_second_run_on_the_same_out_is_refused(tmp_path):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    code = ("import fcntl, os, sys, time\nfd = os.open(os.path.join(sys.argv[1], '.lock'), os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)\n")
+    other = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        with pytest.raises(SystemExit, match="another run is using"):
+            mgrpo.main(SHORT + ["--out", str(out)])
+        assert os.listdir(out) == [".lock"]
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_an_overwrite_cut_off_leaves_the_old_run_resumable(tmp_path, monkeypatch):
+    """--overwrite clears the old run before it writes the new settings: cut off in between, the
+    folder still holds the old run under its own settings, and a --resume continues it."""
+    out = tmp_path / "run"
+    mgrpo.main(SHORT + ["--out", str(out)])
+    old_args = (out / "args.json").read_text()
+
+    def cut(folder):
+        raise Killed
+    monkeypatch.setattr(run, "clear_run", cut)
+    with pytest.raises(Killed):
+        mgrpo.main(SHORT + ["--seed", "2", "--overwrite", "--out", str(out)])
+    assert (out / "args.json").read_text() == old_args
+    monkeypatch.undo()
+    assert mgrpo.main(SHORT + ["--out", str(out), "--resume"])["steps"] == 3
 
 
 # ---------------------------------------------------------------------------------------
@@ -213,7 +269,7 @@ def test_prune_spares_a_live_writers_temp_file_and_removes_stale_ones_whatever_t
 
 
 def test_a_put_whose_temp_file_was_pruned_writes_it_again(tmp_path, monkeypatch):
-    st = FileStore(str(tmp_path), "r", "main")
+    st = FileStore(str(tmp_path), "r", "both")  # no heartbeat thread: the first lock is the put's
     real, calls = fcntl.flock, []
 
     def pruned_first(fd, op):  # a prune on another machine took the file between create and lock
@@ -226,18 +282,18 @@ def test_a_put_whose_temp_file_was_pruned_writes_it_again(tmp_path, monkeypatch)
     try:
         monkeypatch.setattr(store_module.fcntl, "flock", pruned_first)
         st.put("p000001-t0-tasks", {"tasks": ["a"]})
-        assert st.read("p000001-t0-tasks") == {"tasks": ["a"]} and len(calls) >= 2
+        assert st.read("p000001-t0-tasks") == {"tasks": ["a"]} and len(calls) == 2
     finally:
         monkeypatch.setattr(store_module.fcntl, "flock", real)
         st.close()
 
 
 def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
-    st = FileStore(str(tmp_path), "r", "sub")
+    st = FileStore(str(tmp_path), "r", "both")
     try:
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(store_module.json, "dump", full)
+        monkeypatch.setattr(store_module.json, "dumps", full)
         with pytest.raises(OSError, match="No space"):
             st.put("p000001-t0-results", {"results": []})
         assert not [n for n in os.listdir(st.dir) if n.endswith(".tmp") and n.startswith("p000001")]
@@ -254,8 +310,10 @@ def test_the_progress_timeout_is_finite_by_default_and_says_how_to_raise_it(tmp_
     stop, phase = threading.Event(), [-1]
     fake_peer(st.dir, "sub", stop, beat=lambda n: {"count": n, "phase": phase[0]})
     try:
-        # a peer still starting (its cold start) is not held to it: the record comes after the floor
-        threading.Timer(3.0, lambda: st.write("p000000-t0-results", {"ok": 1})).start()
+        # a peer still starting (its cold start) is not held to it, and the limit counts from its
+        # entering the schedule: 3 s starting, then the record 1 s into phase 0, no error
+        threading.Timer(3.0, lambda: phase.__setitem__(0, 0)).start()
+        threading.Timer(4.0, lambda: st.write("p000000-t0-results", {"ok": 1})).start()
         assert st.wait("p000000-t0-results") == ("p000000-t0-results", {"ok": 1})
         phase[0] = 7  # now in the schedule, and stuck
         t0 = time.time()
@@ -302,7 +360,25 @@ def test_the_toy_server_closes_idle_and_half_sent_connections(server):
     assert closed_within(idle, 5) and closed_within(half, 5) and time.time() - t0 < 5
 
 
-def test_the_toy_server_bounds_its_connections(server):
+def test_the_toy_server_cuts_a_connection_that_trickles(server, monkeypatch):
+    monkeypatch.setattr(toy_tools._Handler, "total_timeout", 2.0)
+    assert toy_tools._Handler.total_timeout < 60  # by default too: 30 s
+    with socket.create_connection(("127.0.0.1", server.server_address[1])) as s:
+        t0, cut = time.time(), False
+        for byte in b"GET /search?q=ada&kb=1&level=1 HTTP/1.0\r\n":  # a byte every 0.3 s: never silent 1 s
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                cut = True
+                break
+            if closed_within(s, 0.3):
+                cut = True
+                break
+        assert cut and time.time() - t0 < 6
+
+
+def test_the_toy_server_bounds_its_connections(server, monkeypatch):
+    monkeypatch.setattr(toy_tools._Handler, "timeout", 5.0)  # the held ones wait long
     port = server.server_address[1]
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # both slots taken
     time.sleep(0.2)

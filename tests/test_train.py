@@ -157,13 +157,13 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
 
 @pytest.mark.slow
 def test_a_fresh_run_in_a_used_folder_keeps_its_own_checkpoints(tmp_path):
-    """Without --resume, an earlier run's checkpoints in the folder go: the fresh run's are never pruned
+    """With --overwrite, an earlier run's checkpoints in the folder go: the fresh run's are never pruned
     as older than them (a later --resume would continue the earlier run)."""
     base = ["--sft-steps", "2", "--sft-batch", "4", "--model-size", "0.1M", "--eval-every", "0",
             "--questions-per-step", "2", "--group-size", "2"]
     mgrpo.main(base + ["--steps", "4", "--out", str(tmp_path / "used")])
     for folder in ("used", "empty"):
-        mgrpo.main(base + ["--steps", "1", "--out", str(tmp_path / folder)])
+        mgrpo.main(base + ["--steps", "1", "--overwrite", "--out", str(tmp_path / folder)])
     names = [[os.path.basename(p) for p in checkpoints(str(tmp_path / f))] for f in ("used", "empty")]
     assert names[0] == names[1] and len(names[0]) == 2
 

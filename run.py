@@ -209,10 +209,11 @@ def open_store(args):
 
 
 # what a --resume must agree on with the run it continues: its agents, its task, its schedule (steps
-# may grow: positions up to the old end keep their phases) and its cold start
+# may grow: positions up to the old end keep their phases) and its cold start (a resume without
+# --sft-until takes the rounds done as the cold start)
 SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
             "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every",
-            "sft_steps", "sft_levels", "sft_until", "kl_coef")
+            "sft_steps", "sft_levels", "kl_coef")
 
 
 @contextlib.contextmanager

@@ -221,7 +221,10 @@ def own_out(args, out):
     """This process's hold on the output folder for the whole run: a lock that keeps a second run off
     it, and the checks that must pass before anything in it or in the store is touched: a --resume
     with the run's own settings; a fresh start only where no run is, or with --overwrite."""
-    fd = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fd = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:  # a symlink or a folder planted there
+        raise SystemExit(f"error: cannot lock {out}/.lock ({e})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

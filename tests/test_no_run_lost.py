@@ -211,6 +211,15 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
         other.wait()
 
 
+def test_a_planted_lock_file_is_a_clear_error(tmp_path):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    os.symlink(tmp_path / "elsewhere", out / ".lock")
+    with pytest.raises(SystemExit, match="cannot lock"):
+        mgrpo.main(SHORT + ["--out", str(out)])
+    assert not os.path.exists(tmp_path / "elsewhere")
+
+
 def test_an_overwrite_cut_off_leaves_the_old_run_resumable(tmp_path, monkeypatch):
     """--overwrite clears the old run before it writes the new settings: cut off in between, the
     folder still holds the old run under its own settings, and a --resume continues it."""

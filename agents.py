@@ -117,6 +117,7 @@ class Agent:
     skipped: int = 0       # updates in a row with a step skipped for a non-finite loss or gradient
     graphs: dict = None    # --cuda-graphs on a GPU: (rows, cache slots) -> GraphDecoder
     splits: dict = field(default_factory=dict)  # (template, kind of text) -> its (head, tail), or None
+    prefixes: dict = field(default_factory=dict)  # a shared prompt's ids -> (weights version, its KV)
 
     def autocast(self, cache_enabled=True):  # a CUDA graph's capture needs cache_enabled=False
         return torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.bf16,

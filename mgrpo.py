@@ -46,7 +46,7 @@ import run
 from agents import Traj, load_agent, message_ids, new_traj
 from cold_start import before_rl
 from report import Log, report
-from sampling import collate, generate, token_logprobs
+from sampling import Kept, collate, generate, token_logprobs
 from records import exchange_ok, phase_key, results_ok, store_record, tasks_ok
 from store import StoreError
 from tools import FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
@@ -138,12 +138,12 @@ def agent_loop(agent, kind, trajs, act, max_turns, seed, greedy):
     its conversation with a result (ok); one that breaks the format, or calls a tool on the
     last turn, ends it with none. Every other turn is a tool call: act(calls, turn) answers the
     turn's calls [(index, tag, argument)] with one message each, which enters with mask 0."""
-    active = list(range(len(trajs)))
+    active, kept = list(range(len(trajs))), [Kept() for _ in trajs]  # each conversation's KV cache
     for turn in range(max_turns):
         if not active:
             break
-        contexts = [trajs[j].ids for j in active]
-        outs = generate(agent, contexts, agent.max_new, stable_seed(seed, kind, turn), greedy)
+        contexts, seed_t = [trajs[j].ids for j in active], stable_seed(seed, kind, turn)
+        outs = generate(agent, contexts, agent.max_new, seed_t, greedy, [kept[j] for j in active])
         calls = []
         for j, (new, logp, ended) in zip(active, outs):
             trajs[j].add(new, logp)

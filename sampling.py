@@ -53,21 +53,115 @@ def left_pad(contexts, pad_id, rows, device):
     return ids.to(device), attn.to(device)
 
 
+class Kept:
+    """One conversation's KV cache, kept from one turn to the next: the keys and values of its first
+    `n` tokens, per layer ([kv heads, n, head dim] each; a shared prompt's are shared, not copied)."""
+    __slots__ = ("n", "layers")
+
+    def __init__(self):
+        self.n, self.layers = 0, None
+
+
+MIN_PREFIX = 16  # tokens of a prompt shared by a batch's new conversations worth a cache of their own
+
+
+def weights_version(model):
+    """Grows whenever a weight is written in place (an optimizer step, a load): the prefix cache's key."""
+    return sum(p._version for p in model.parameters())
+
+
+def kv_alone(agent, ids):
+    """[(keys, values)] per layer of one sequence, [kv heads, len, head dim] each."""
+    cache = transformers.DynamicCache(config=agent.model.config)
+    pos = torch.arange(len(ids), device=agent.model.device)[None]
+    with agent.autocast():
+        forward_last(agent.model, torch.tensor([ids], device=pos.device), torch.ones_like(pos), pos, cache)
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+def share_prompt(agent, contexts, kept):
+    """New conversations (nothing kept yet) start from the KV of the prompt they share (the longest
+    common prefix, less each one's last token), computed once per set of weights: agent.prefixes."""
+    fresh = [b for b, k in enumerate(kept) if k.n == 0]
+    n = min((len(contexts[b]) for b in fresh), default=0) - 1
+    if n < MIN_PREFIX:
+        return
+    ids = torch.tensor([contexts[b][:n] for b in fresh])
+    same = (ids == ids[0]).all(0)
+    n = n if same.all() else int(same.int().argmin())
+    if n < MIN_PREFIX:
+        return
+    key, version = tuple(contexts[fresh[0]][:n]), weights_version(agent.model)
+    if agent.prefixes.get(key, (None,))[0] != version:
+        if len(agent.prefixes) >= 8:  # a few prompts at a time: their caches can be large
+            agent.prefixes.clear()
+        agent.prefixes[key] = (version, kv_alone(agent, list(key)))
+    for b in fresh:
+        kept[b].n, kept[b].layers = n, agent.prefixes[key][1]
+
+
 class EagerDecoder:
-    """Decode steps over a growing KV cache (DynamicCache); finished rows leave the batch."""
+    """Decode steps over a growing KV cache (DynamicCache); finished rows leave the batch. With `kept`
+    (one Kept per context), each row's KV from earlier turns is reused: only the tokens after it are
+    prefilled (ragged, their padding masked), and a row's KV is kept again as it leaves."""
     rows_leave = True
 
-    def __init__(self, agent):
-        self.agent, self.cache = agent, transformers.DynamicCache(config=agent.model.config)
+    def __init__(self, agent, kept=None):
+        self.agent, self.kept, self.cache = agent, kept, transformers.DynamicCache(config=agent.model.config)
 
-    def prefill(self, ids, attn, pos):
-        self.attn = attn
+    def prefill(self, contexts):
+        """The contexts into the cache: (last position's logits, each row's next position [B, 1])."""
+        dev, self.rows, self.lengths = self.agent.model.device, list(range(len(contexts))), list(map(len, contexts))
+        if self.kept is None:
+            ids, self.attn = left_pad(contexts, self.agent.pad_id, len(contexts), dev)
+            pos = (self.attn.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
+        else:
+            share_prompt(self.agent, contexts, self.kept)
+            ids, self.attn, pos = self.load_kept(contexts)
         with self.agent.autocast():
-            return forward_last(self.agent.model, ids, attn, pos, self.cache)
+            logits = forward_last(self.agent.model, ids, self.attn, pos, self.cache)
+        return logits, torch.tensor(self.lengths, device=dev)[:, None]
 
-    def keep(self, rows):
+    def load_kept(self, contexts):
+        """The kept KV into the cache, row b as [padding, its n_b kept]; the rest of each context as a
+        block, row b as [padding, its tokens after n_b]: (block ids, attention mask, block positions)."""
+        kept, B, dev = self.kept, len(contexts), self.agent.model.device
+        C, N = max(k.n for k in kept), max(len(c) - k.n for c, k in zip(contexts, kept))
+        attn = torch.zeros(B, C + N, dtype=torch.long, device=dev)
+        ids = torch.full((B, N), self.agent.pad_id, dtype=torch.long, device=dev)
+        pos = torch.zeros(B, N, dtype=torch.long, device=dev)
+        for b, (c, k) in enumerate(zip(contexts, kept)):
+            rest = c[k.n:]
+            attn[b, C - k.n:C], attn[b, C + N - len(rest):] = 1, 1
+            ids[b, N - len(rest):] = torch.tensor(rest, device=dev)
+            pos[b, N - len(rest):] = torch.arange(k.n, len(c), device=dev)
+        donor = next((k for k in kept if k.n), None)
+        for i, layer in enumerate(self.cache.layers if donor else []):
+            K, V = (x.new_zeros(B, x.shape[0], C, x.shape[2]) for x in donor.layers[i])
+            for b, k in enumerate(kept):
+                if k.n:
+                    K[b, :, C - k.n:], V[b, :, C - k.n:] = k.layers[i]
+            layer.update(K, V)
+        return ids, attn, pos
+
+    def save(self, batch_rows, steps):
+        """Keep the KV of these batch rows: their context and the `steps` tokens forwarded since."""
+        for r in batch_rows:
+            real, k = self.attn[r].bool(), self.kept[self.rows[r]]
+            k.n = self.lengths[self.rows[r]] + steps
+            k.layers = [(layer.keys[r][:, real], layer.values[r][:, real]) for layer in self.cache.layers]
+
+    def keep(self, rows, steps=0):
+        """Only these batch rows go on; the others' KV is kept first (with `kept`)."""
+        if self.kept is not None:
+            going = set(rows.tolist())
+            self.save([r for r in range(len(self.rows)) if r not in going], steps)
         self.cache.batch_select_indices(rows)
-        self.attn = self.attn[rows]
+        self.attn, self.rows = self.attn[rows], [self.rows[r] for r in rows.tolist()]
+
+    def finish(self, steps):
+        if self.kept is not None:
+            self.save(range(len(self.rows)), steps)
 
     def step(self, tok, pos, slot):
         self.attn = torch.cat([self.attn, self.attn.new_ones(len(tok), 1)], 1)
@@ -143,15 +237,18 @@ def graph_decoder(agent, rows, length):
 
 
 @torch.no_grad()
-def generate(agent, contexts, max_new_tokens, seed, greedy=False):
+def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
     """Sample one turn for a batch of contexts: per context (new ids, their log-probs, ended?).
 
     The left-padded contexts go through the model once (prefill, into a KV cache, keeping the last
     position's logits); then one token per forward. Each token is drawn by `sample_token` with a
     torch.Generator seeded from `seed`, so a call does not depend on what ran before. A row ends at
-    its first stop token, and leaves the batch. With `agent.graphs` (--cuda-graphs on a GPU) the steps
-    replay a CUDA graph over a static cache instead (`GraphDecoder`), and finished rows stay, masked;
-    if that fails, this agent decodes eagerly from then on.
+    its first stop token, and leaves the batch. kept: one `Kept` per context, from the turn before
+    (the conversation's KV) or new; then only what follows a row's kept KV is prefilled, new
+    conversations start from their shared prompt's KV, and each row's KV is kept for its next turn.
+    With `agent.graphs` (--cuda-graphs on a GPU) the steps replay a CUDA graph over a static cache
+    instead (`GraphDecoder`: every context prefilled whole), and finished rows stay, masked; if that
+    fails, this agent decodes eagerly from then on.
     """
     if agent.graphs is not None:
         try:
@@ -159,16 +256,23 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False):
         except RuntimeError as e:
             print(f"CUDA graphs off for this agent ({e}); decoding eagerly", flush=True)
             agent.graphs = None
-    return decode(agent, contexts, max_new_tokens, seed, greedy)
+    return decode(agent, contexts, max_new_tokens, seed, greedy, kept)
 
 
-def decode(agent, contexts, n_new, seed, greedy):
+def decode(agent, contexts, n_new, seed, greedy, kept=None):
     """generate's loop, with a GraphDecoder when the agent has graphs, else an EagerDecoder."""
     B, dev, static = len(contexts), agent.model.device, agent.graphs is not None
-    R = 1 << (B - 1).bit_length() if static else B  # a graph's rows: a power of two
-    ids, attn = left_pad(contexts, agent.pad_id, R, dev)
-    L = ids.shape[1]
-    decoder = graph_decoder(agent, R, L + n_new) if static else EagerDecoder(agent)
+    R, L = B, 0  # rows (a graph's: a power of two), and the cache slot of the first new token
+    if static:
+        R = 1 << (B - 1).bit_length()
+        ids, attn = left_pad(contexts, agent.pad_id, R, dev)
+        L = ids.shape[1]
+        decoder = graph_decoder(agent, R, L + n_new)
+        logits = decoder.prefill(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0))
+        next_pos = attn.sum(-1, keepdim=True)
+    else:
+        decoder = EagerDecoder(agent, kept)
+        logits, next_pos = decoder.prefill(contexts)
     gen = torch.Generator(dev).manual_seed(seed)
     suppress = torch.tensor(agent.suppress, dtype=torch.long, device=dev)
     stop_ids = torch.tensor(agent.stop_ids, dtype=torch.long, device=dev)
@@ -176,8 +280,7 @@ def decode(agent, contexts, n_new, seed, greedy):
     new_lp = torch.zeros(R, n_new, device=dev)
     length = torch.full((R,), n_new, device=dev)     # a row's turn ends at its first stop token
     running = torch.ones(R, dtype=torch.bool, device=dev)
-    rows, next_pos = torch.arange(R, device=dev), attn.sum(-1, keepdim=True)  # rows sampling; their next position
-    logits = decoder.prefill(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0))  # positions count real tokens only
+    rows = torch.arange(R, device=dev)  # the rows still sampling
     for t in range(n_new):
         tok, lp = sample_token(logits, suppress, gen, greedy)
         new[rows, t], new_lp[rows, t] = tok, lp
@@ -188,9 +291,11 @@ def decode(agent, contexts, n_new, seed, greedy):
             break
         if decoder.rows_leave and done.any():
             keep = (~done).nonzero()[:, 0]
-            decoder.keep(keep)
+            decoder.keep(keep, t)
             rows, tok, next_pos = rows[keep], tok[keep], next_pos[keep]
         logits = decoder.step(tok, next_pos + t, L + t)
+    if not static:
+        decoder.finish(t)
     out = []
     for row, lp, n in zip(new[:B].tolist(), new_lp[:B].tolist(), length[:B].long().tolist()):
         out.append((row[:n], lp[:n], row[n - 1] in agent.stop_ids))

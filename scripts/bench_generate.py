@@ -2,16 +2,23 @@
 on the identical calls.
 
 First a few M-GRPO steps run after a short cold start, and every `generate` call they make is
-recorded (agent, contexts, new-token limit, seed). Then each sampler replays all the calls, in a
-process of its own (so that its peak memory is its own):
+recorded (agent, contexts, new-token limit, seed, which conversation each row is, the step). Then
+each sampler replays all the calls, in a process of its own (so that its peak memory is its own):
 
   hf          HF `generate`, fresh GenerationConfig (temperature 1, no top-k / top-p, pad and
               unk suppressed), sampling log-probs taken step by step by a logits processor
               (what mgrpo used before it had its own loop)
-  mgrpo       `mgrpo.generate`: KV-cache loop, finished rows leave the batch
-  mgrpo-keep  the same loop with finished rows kept in the batch (masked), to measure what
+  before      `sampling.generate` as it was before conversations kept their KV: every context
+              prefilled whole at every turn, finished rows leave the batch
+  mgrpo       `sampling.generate` as the agents' loop calls it: each conversation's KV kept from
+              one turn to the next, new conversations started from their shared prompt's KV
+              (computed once per step, as after each update), finished rows leave
+  mgrpo-keep  the `before` loop with finished rows kept in the batch (masked), to measure what
               leaving buys
-  graphs      `mgrpo.generate` with CUDA graphs over a static cache (CUDA only)
+  graphs      `sampling.generate` with CUDA graphs over a static cache (CUDA only)
+
+Besides tokens/s, it counts the tokens each sampler prefills per M-GRPO step, against the floor:
+each distinct token once (a prompt that a step's conversations share, once per step).
 
     python scripts/bench_generate.py                  # CPU, the default demo's models
     python scripts/bench_generate.py --device cuda --models runs/gpu_check/models --chat --bf16
@@ -37,6 +44,7 @@ import mgrpo  # noqa: E402
 import toy_tools  # noqa: E402
 from agents import SIZES, load_agent  # noqa: E402
 from cold_start import cold_start  # noqa: E402
+import sampling  # noqa: E402
 from sampling import forward_last, sample_token  # noqa: E402
 
 
@@ -116,19 +124,40 @@ def record(b, folder):
             cold_start(agent, name, args, toy_tools, 0, b.sft_steps)
         agent.model.save_pretrained(os.path.join(folder, name))
         agent.tok.save_pretrained(os.path.join(folder, name))
-    calls, real = [], mgrpo.generate
+    calls, real, convs, step = [], mgrpo.generate, {}, [0]
 
-    def recording(agent, contexts, max_new_tokens, seed, greedy=False):
-        calls.append(("main" if agent is agents["main"] else "sub", contexts, max_new_tokens, seed, greedy))
-        return real(agent, contexts, max_new_tokens, seed, greedy)
+    def recording(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
+        ids = [convs.setdefault(id(k), (len(convs), k))[0] for k in kept]  # which conversation each row is
+        # (the Kept is held, so that its id is not reused by another conversation's)
+        calls.append(["main" if agent is agents["main"] else "sub", [list(c) for c in contexts],  # copies: the
+                      max_new_tokens, seed, greedy, ids, step[0]])  # loop appends to its contexts after the call
+        out = real(agent, contexts, max_new_tokens, seed, greedy, kept)
+        calls[-1].append([len(new) for new, _, _ in out])  # what each row sampled (for the floor)
+        return out
     mgrpo.generate = recording
     delegate = functools.partial(mgrpo.run_sub_agents, agents["sub"], args, search)
-    for step in range(b.steps):
-        mgrpo.train_step(agents["main"], agents["sub"], step, args, toy_tools, delegate, search)
+    for step[0] in range(b.steps):
+        mgrpo.train_step(agents["main"], agents["sub"], step[0], args, toy_tools, delegate, search)
     mgrpo.generate = real
     with open(os.path.join(folder, "calls.json"), "w") as f:
         json.dump(calls, f)
     return len(calls)
+
+
+def counting(counts):
+    """Wrap the sampler's prefill and prompt cache so that they count the tokens they read."""
+    eager_prefill, prompt_kv = sampling.EagerDecoder.prefill, sampling.kv_alone
+
+    def prefill(self, contexts):
+        out = eager_prefill(self, contexts)  # kept rows still count what they held before this turn
+        kept = self.kept or [sampling.Kept() for _ in contexts]
+        counts["prefill"] += sum(len(c) - k.n for c, k in zip(contexts, kept))
+        return out
+
+    def kv(agent, ids):
+        counts["prompts"] += len(ids)
+        return prompt_kv(agent, ids)
+    sampling.EagerDecoder.prefill, sampling.kv_alone = prefill, kv
 
 
 def replay(b, folder, method):
@@ -138,11 +167,26 @@ def replay(b, folder, method):
     agents = {n: load_agent(os.path.join(folder, n), args, toy_tools) for n in ("main", "sub")}
     with open(os.path.join(folder, "calls.json")) as f:
         calls = json.load(f)
-    fn = {"hf": hf_generate, "mgrpo": mgrpo.generate, "mgrpo-keep": keep_rows_generate,
-          "graphs": mgrpo.generate}[method]
+    kept, counts = {}, {"prefill": 0, "prompts": 0}
+    counting(counts)
+
+    def call(name, ctx, n, seed, greedy, convs, step, sampled):
+        if method == "hf":
+            return hf_generate(agents[name], ctx, n, seed, greedy)
+        if method == "mgrpo-keep":
+            return keep_rows_generate(agents[name], ctx, n, seed, greedy)
+        if method != "mgrpo":
+            return sampling.generate(agents[name], ctx, n, seed, greedy)
+        if kept.get("step") != step:  # a new step: new weights in training, so the prompts' KV anew
+            kept.clear()
+            kept["step"] = step
+            for a in agents.values():
+                a.prefixes.clear()
+        return sampling.generate(agents[name], ctx, n, seed, greedy, [kept.setdefault(c, sampling.Kept())
+                                                                      for c in convs])
     sync = torch.cuda.synchronize if b.device.startswith("cuda") else (lambda: None)
-    for name, ctx, n, seed, greedy in calls[:4]:  # warm-up (and graph captures)
-        fn(agents[name], ctx, n, seed, greedy)
+    for c in calls[:4]:  # warm-up (and graph captures)
+        call(*c)
     sync()
     if b.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -150,19 +194,43 @@ def replay(b, folder, method):
     with open("/proc/self/clear_refs", "w") as f:  # Linux: resets the peak (VmHWM) to the current RSS
         f.write("5")
     lat, tokens = [], 0
+    counts.update(prefill=0, prompts=0)
     for _ in range(b.repeat):
-        for name, ctx, n, seed, greedy in calls:
+        kept.clear()
+        for c in calls:
             t0 = time.perf_counter()
-            outs = fn(agents[name], ctx, n, seed, greedy)
+            outs = call(*c)
             sync()
             lat.append(time.perf_counter() - t0)
-            stop = set(agents[name].stop_ids)
+            stop = set(agents[c[0]].stop_ids)
             tokens += sum(next((i + 1 for i, t in enumerate(row) if t in stop), len(row)) for row, _, _ in outs)
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if b.device.startswith("cuda")
             else (proc_status("VmHWM") - rss0) / 1024)
+    steps = b.repeat * len({c[6] for c in calls})
     print(json.dumps({"method": method, "calls": len(lat), "tokens": tokens, "seconds": sum(lat),
                       "median_ms": 1000 * statistics.median(lat), "p90_ms": 1000 * sorted(lat)[int(0.9 * len(lat))],
-                      "peak_mib": peak}))
+                      "peak_mib": peak, "prefill_per_step": (counts["prefill"] + counts["prompts"]) / steps
+                      if method in ("before", "mgrpo") else None}))
+
+
+def floor_per_step(calls):
+    """Tokens a step must prefill at the least: every token of a context that no turn sampled, and the
+    last token of each turn before (sampled, but not yet through the model), each once; a prompt that
+    its step's conversations of one agent share, once per step (the weights change every step)."""
+    last, first, prompts, total = {}, {}, {}, 0
+    for name, ctx, _, _, _, convs, step, sampled in calls:
+        for c, x, g in zip(convs, ctx, sampled):
+            total += len(x) - last.get(c, (0, 1))[0] - (last.get(c, (0, 1))[1] - 1)  # new since its last turn
+            last[c] = (len(x), g)
+            first.setdefault(c, (name, step, x))
+    for c, (name, step, x) in first.items():
+        prompts.setdefault((name, step), []).append(x)
+    shared = 0
+    for group in prompts.values():
+        n = min(map(len, group)) - 1
+        common = next((i for i in range(n) if any(g[i] != group[0][i] for g in group)), n)
+        shared += common * (len(group) - 1) if common >= sampling.MIN_PREFIX else 0
+    return (total - shared) / len({c[6] for c in calls})
 
 
 def main():
@@ -191,7 +259,7 @@ def main():
               + (f"models from {b.models}" if b.models else f"after {b.sft_steps} cold-start steps") + ") ...",
               flush=True)
         print(f"  {record(b, folder)} calls recorded in {folder}", flush=True)
-    methods = b.methods or ["hf", "mgrpo", "mgrpo-keep"] + (["graphs"] if b.device.startswith("cuda") else [])
+    methods = b.methods or ["hf", "before", "mgrpo", "mgrpo-keep"] + (["graphs"] if b.device.startswith("cuda") else [])
     runs = {m: [] for m in methods}
     for _ in range(b.rounds):  # the samplers take turns, so that a busy moment of the machine hits them alike
         for m in methods:
@@ -207,11 +275,17 @@ def main():
           f"threads; {b.models or b.model_size}{' chat' if b.chat else ''}; every recorded call x {b.repeat}, median of "
           f"{b.rounds} rounds")
     print("peak MiB: on a GPU the peak allocated; on a CPU how far the peak RSS rose above the RSS before the replay")
-    print(f"{'sampler':>10} | {'tokens/s':>9} {'vs hf':>6} | {'median ms':>9} {'p90 ms':>7} | {'peak MiB':>8}")
+    print(f"{'sampler':>10} | {'tokens/s':>9} {'vs hf':>6} {'vs before':>9} | {'median ms':>9} {'p90 ms':>7} | "
+          f"{'peak MiB':>8} | {'prefilled tokens per step':>25}")
+    speed = {m: r["tokens"] / r["seconds"] for m, r in rows.items()}
     for m, r in rows.items():
-        tps = r["tokens"] / r["seconds"]
-        ratio = f"{tps / (rows['hf']['tokens'] / rows['hf']['seconds']):5.2f}x" if "hf" in rows else "     -"
-        print(f"{m:>10} | {tps:9.0f} {ratio} | {r['median_ms']:9.2f} {r['p90_ms']:7.2f} | {r['peak_mib']:8.1f}")
+        ratios = [f"{speed[m] / speed[base]:{w - 1}.2f}x" if base in speed else " " * (w - 1) + "-"
+                  for base, w in (("hf", 6), ("before", 9))]
+        prefill = f"{r['prefill_per_step']:25.0f}" if r["prefill_per_step"] is not None else f"{'':>25}"
+        print(f"{m:>10} | {speed[m]:9.0f} {ratios[0]} {ratios[1]} | {r['median_ms']:9.2f} {r['p90_ms']:7.2f} | "
+              f"{r['peak_mib']:8.1f} | {prefill}")
+    with open(os.path.join(folder, "calls.json")) as f:
+        print(f"{'floor':>10} | each distinct token once: {floor_per_step(json.load(f)):.0f} prefilled tokens per step")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from sampling import collate, token_logprobs
 
 def forced(policy):
     """generate(agent, contexts, ...) -> the policy's turns: policy(agent, context text, row) -> text."""
-    def generate(agent, contexts, max_new_tokens, seed, greedy=False):
+    def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
         turns = []
         for row, ctx in enumerate(contexts):
             text = policy(agent, agent.tok.decode(ctx), row)

@@ -118,8 +118,8 @@ def _record_generate(monkeypatch):
     sampled = []
     real = mgrpo.generate
 
-    def generate(agent, contexts, max_new_tokens, seed, greedy=False):
-        out = real(agent, contexts, max_new_tokens, seed, greedy)
+    def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
+        out = real(agent, contexts, max_new_tokens, seed, greedy, kept)
         sampled.extend((tuple(new), tuple(lp)) for new, lp, _ in out)
         return out
     monkeypatch.setattr(mgrpo, "generate", generate)

@@ -9,8 +9,9 @@ from transformers import GenerationConfig
 
 import helpers
 import mgrpo
-from agents import Traj, prompt_ids
-from sampling import collate, token_logprobs
+import toy_tools
+from agents import Traj, message_ids, prompt_ids
+from sampling import Kept, collate, generate, token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,37 @@ def test_static_cache_decoding_equals_the_eager_loop(word_agent):
     still.graphs = {}
     assert all(len(x[0]) == 6 for x in c)
     assert [x[0] for x in mgrpo.generate(still, contexts(word_agent)[:4], 6, seed=1)] == [x[0] for x in c]
+
+
+@pytest.mark.parametrize("which", ["word", "chat"])
+def test_kept_conversations_sample_what_whole_contexts_sample(which, word_agent, chat_agent):
+    """Each conversation's KV kept from one turn to the next (and, for the chat model, the shared
+    system prompt's KV computed once per set of weights) samples the very tokens that prefilling every
+    context whole samples, and stores the log-probs that training recomputes, to 1e-5. Rows stop at
+    different steps, and conversations end at different turns."""
+    base = word_agent if which == "word" else chat_agent
+    a = biased(base, {base.end[0]: 3.0})  # turns that end at different steps
+    ctxs = [prompt_ids(a, "sub", f"city of {p}") for p in toy_tools.PERSONS[:12]]
+    kept, alive, early = [Kept() for _ in ctxs], list(range(12)), 0
+    for turn in range(4):
+        whole = generate(a, [ctxs[j] for j in alive], 10, seed=turn)
+        reuse = generate(a, [ctxs[j] for j in alive], 10, seed=turn, kept=[kept[j] for j in alive])
+        assert [w[0] for w in whole] == [r[0] for r in reuse]
+        assert max(abs(x - y) for w, r in zip(whole, reuse) for x, y in zip(w[1], r[1])) < 1e-5
+        trajs = [Traj(ctxs[j] + new, [0] * len(ctxs[j]) + [1] * len(new), [0.0] * len(ctxs[j]) + lp)
+                 for j, (new, lp, _) in zip(alive, reuse)]
+        ids, attn, mask, old = collate(trajs, a.pad_id, "cpu")
+        with torch.no_grad():
+            assert ((token_logprobs(a.model, ids, attn) - old) * mask).abs().max() < 1e-5
+        early += sum(len(new) < 10 for new, _, _ in reuse)
+        for j, (new, _, _) in zip(alive, reuse):
+            ctxs[j] = ctxs[j] + new + message_ids(a, "tool", f"result {turn} of {j}")
+        alive = [j for i, j in enumerate(alive) if (i + turn) % 3]  # a third of the conversations end
+    assert early >= 3 and len(alive) < 12
+    assert bool(a.prefixes) == (which == "chat")  # a shared prompt of 16 tokens or more gets its cache
+    with torch.no_grad():  # new weights: the shared prompt's KV is computed anew, not reused stale
+        for p in a.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    fresh = [prompt_ids(a, "sub", f"city of {p}") for p in toy_tools.PERSONS[:12]]  # the same shared prompt
+    assert ([o[0] for o in generate(a, fresh, 10, seed=9)]
+            == [o[0] for o in generate(a, fresh, 10, seed=9, kept=[Kept() for _ in fresh])])

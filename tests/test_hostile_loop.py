@@ -20,7 +20,7 @@ def scripted(strings, sampled):
     would be, closed by the turn's end token."""
     it = itertools.cycle(strings)
 
-    def generate(agent, contexts, max_new_tokens, seed, greedy=False):
+    def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
         out = []
         for _ in contexts:
             text = next(it).encode("utf-8", "replace").decode("utf-8")  # a tokenizer's text has no surrogates

@@ -219,7 +219,7 @@ def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypa
                   tools.action_text("return", city, chat=True)]
         turns = iter(script)
 
-        def scripted(agent_, contexts, max_new_tokens, seed, greedy=False):
+        def scripted(agent_, contexts, max_new_tokens, seed, greedy=False, kept=None):
             ids = agent_.tok(next(turns), add_special_tokens=False).input_ids + [agent_.end[0]]
             return [(ids, [-0.5] * len(ids), True) for _ in contexts]
         monkeypatch.setattr(mgrpo, "generate", scripted)

@@ -302,15 +302,44 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
     return out
 
 
+def common_prefix(ids, attn):
+    """How many first positions all rows share, ids and attention mask alike (a shared prompt)."""
+    same = ((ids == ids[:1]) & (attn == attn[:1])).all(0)
+    return len(same) if same.all() else int(same.int().argmin())
+
+
 def token_logprobs(model, ids, attn):
     """logp[b, t] = log p(ids[b, t] | ids[b, :t]), and 0 at padding and at each row's first
     token (nothing predicts it). Any padding side: position ids come from the attention mask,
-    so a padded row is scored as if it were unpadded; logits at t-1 predict the token at t."""
+    so a padded row is scored as if it were unpadded; logits at t-1 predict the token at t.
+    A prompt that all rows share (MIN_PREFIX tokens or more) goes through the model once, on one
+    row, and its KV is repeated for the others: the same log-probs, and gradients summed over the
+    rows through the repeat, for a fraction of the work when the prompt is most of each row (chat
+    models). Not with gradient checkpointing, which drops the cache in training."""
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
-    lp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    n = min(common_prefix(ids, attn), ids.shape[1] - 1)
+    checkpointing = model.training and any(getattr(m, "gradient_checkpointing", False) is True
+                                           for m in model.modules())
+    if len(ids) < 2 or n < MIN_PREFIX or checkpointing:
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+        lp = next_logp(logits[:, :-1], ids[:, 1:])
+    else:
+        cache, key = transformers.DynamicCache(config=model.config), cache_keyword(type(model))
+        head = model(input_ids=ids[:1, :n], attention_mask=attn[:1, :n], position_ids=pos[:1, :n],
+                     use_cache=True, **{key: cache}).logits
+        cache.batch_repeat_interleave(len(ids))
+        tail = model(input_ids=ids[:, n:], attention_mask=attn, position_ids=pos[:, n:], use_cache=True,
+                     **{key: cache}).logits
+        lp = torch.cat([next_logp(head, ids[:, 1:n + 1]),
+                        next_logp(tail[:, :-1], ids[:, n + 1:])], 1)
     lp = lp * (attn[:, 1:] * attn[:, :-1])
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+
+
+def next_logp(logits, targets):
+    """log_softmax(logits) at the targets, in fp32: [B or 1, T, V], [B, T] -> [B, T]."""
+    logp = logits.float().log_softmax(-1).expand(len(targets), -1, -1)
+    return logp.gather(-1, targets[..., None])[..., 0]
 
 
 def collate(trajs, pad_id, device):

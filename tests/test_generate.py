@@ -224,3 +224,39 @@ def test_kept_conversations_sample_what_whole_contexts_sample(which, word_agent,
     fresh = [prompt_ids(a, "sub", f"city of {p}") for p in toy_tools.PERSONS[:12]]  # the same shared prompt
     assert ([o[0] for o in generate(a, fresh, 10, seed=9)]
             == [o[0] for o in generate(a, fresh, 10, seed=9, kept=[Kept() for _ in fresh])])
+
+
+@pytest.mark.parametrize("rows_differ", [True, False])
+def test_a_shared_prompt_is_scored_once_with_the_same_logprobs_and_gradients(rows_differ, chat_agent):
+    """token_logprobs puts a prompt shared by all rows through the model once and repeats its KV:
+    log-probs and gradients equal those of each row scored alone (no sharing) to 1e-5, for
+    right-padded rows of different lengths and for identical rows; with gradient checkpointing
+    (which drops caches) it scores the rows whole, with the same results."""
+    a = copy.deepcopy(chat_agent)
+    rows = [prompt_ids(a, "sub", f"city of {p if rows_differ else 'ada'}") + message_ids(a, "tool", "x " * i * rows_differ)
+            for i, p in enumerate(toy_tools.PERSONS[:6])]
+    ids, attn, _, _ = collate([Traj(r, [0] * len(r), [0.0] * len(r)) for r in rows], a.pad_id, "cpu")
+    weights = torch.rand(ids.shape) * attn  # a loss that reads every position
+    calls = []
+    a.model.register_forward_hook(lambda module, inputs, out: calls.append(1))
+
+    def scored(batched):
+        a.model.zero_grad()
+        calls.clear()
+        if batched:
+            lp = token_logprobs(a.model, ids, attn)
+        else:
+            lp = torch.cat([token_logprobs(a.model, ids[b:b + 1], attn[b:b + 1]) for b in range(len(ids))])
+        (lp * weights).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in a.model.parameters()], len(calls)
+
+    a.model.train()
+    (alone, g_alone, _), (shared, g_shared, n_calls) = scored(False), scored(True)
+    assert n_calls == 2  # the shared prompt on one row, then the rest of every row
+    assert ((alone - shared).abs().max()) < 1e-5 and (shared != 0).sum() > 0
+    assert max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(g_alone, g_shared)) < 1e-5
+    a.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    a.model.train()
+    ckpt, g_ckpt, n_calls = scored(True)
+    assert n_calls == 1 and (ckpt - alone).abs().max() < 1e-5
+    assert max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(g_alone, g_ckpt)) < 1e-5

@@ -116,6 +116,9 @@ class EagerDecoder:
             ids, self.attn = left_pad(contexts, self.agent.pad_id, len(contexts), dev)
             pos = (self.attn.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
         else:
+            if any(k.n >= len(c) for c, k in zip(contexts, self.kept)):
+                raise ValueError("a kept KV cache is as long as its context: a Kept goes with its own "
+                                 "conversation, grown since the turn that kept it")
             share_prompt(self.agent, contexts, self.kept)
             ids, self.attn, pos = self.load_kept(contexts)
         with self.agent.autocast():

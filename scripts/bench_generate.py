@@ -2,7 +2,9 @@
 on the identical calls.
 
 First a few M-GRPO steps run after a short cold start, and every `generate` call they make is
-recorded (agent, contexts, new-token limit, seed, which conversation each row is, the step). Then
+recorded (agent, contexts, new-token limit, seed, which conversation each row is, the step); the
+weights are put back after each step, so that the saved models sampled every recorded call and a
+conversation's kept KV in the replay is that of its recorded turns. Then
 each sampler replays all the calls, in a process of its own (so that its peak memory is its own):
 
   hf          HF `generate`, fresh GenerationConfig (temperature 1, no top-k / top-p, pad and
@@ -136,8 +138,11 @@ def record(b, folder):
         return out
     mgrpo.generate = recording
     delegate = functools.partial(mgrpo.run_sub_agents, agents["sub"], args, search)
-    for step[0] in range(b.steps):
+    for step[0] in range(b.steps):  # the weights put back after each step: the saved models sampled every call
+        saved = {n: {k: v.clone() for k, v in a.model.state_dict().items()} for n, a in agents.items()}
         mgrpo.train_step(agents["main"], agents["sub"], step[0], args, toy_tools, delegate, search)
+        for n, a in agents.items():
+            a.model.load_state_dict(saved[n])
     mgrpo.generate = real
     with open(os.path.join(folder, "calls.json"), "w") as f:
         json.dump(calls, f)

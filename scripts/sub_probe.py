@@ -2,7 +2,8 @@
 
 Builds the agents exactly as `python mgrpo.py <options>` does (same seeds) and runs their
 cold starts. The sub-agent gets 200 held-out sub-tasks per relation and level: the share it
-answers right (r_expert). The main agent gets 200 held-out questions per level with a
+answers right (r_expert), and the share whose first search asks for the sub-task's own entity
+(whether it copies the name from its task). The main agent gets 200 held-out questions per level with a
 perfect sub-agent (one that returns the true fact for any well-formed sub-task): its success
 shows whether it plans the hops and answers, apart from S. Greedy and sampled at temperature 1.
 With --mode single-agent: the single agent on 200 held-out questions per level, greedy, and
@@ -43,6 +44,12 @@ def sub_tasks(level, n=200):
             tasks[name].append(f"{rel} of {x}")
             x = kb[(rel, x)]
     return qs, tasks
+
+
+def first_search(agent, traj):
+    """The argument of the first search in a trajectory (word-level tags or a chat tool call), or None."""
+    m = re.search(r'<search> (\S+) </search>|"query": "([^"]*)"', agent.tok.decode(traj.ids))
+    return m and (m.group(1) or m.group(2))
 
 
 def perfect_sub_agent(tasks, questions, seed, greedy):
@@ -98,14 +105,17 @@ def main(argv=None):
     print(f"agents {' '.join(what)}, {time.time() - t0:.0f}s\nsub-agent, expert score greedy / sampled:")
     for level in sorted(toy_tools.N_SNIPPETS):
         qs, tasks = sub_tasks(level)
-        scores = []
+        scores, copied = [], []
         for rel, ts in tasks.items():
             acc = []
             for greedy in (True, False):
                 trajs = mgrpo.run_sub_agents(sub, args, search, ts, qs, seed=0, greedy=greedy)
                 acc.append(sum(toy_tools.expert_score(q, t.task, t.result) for q, t in zip(qs, trajs)) / len(qs))
+                if greedy:
+                    copied.append(sum(first_search(sub, t) == task.split()[-1] for t, task in zip(trajs, ts)))
             scores.append(f"{rel} {acc[0]:.2f} / {acc[1]:.2f}")
-        print(f"  level {level}: " + ", ".join(scores), flush=True)
+        print(f"  level {level}: " + ", ".join(scores) + f" (greedy, first search for the sub-task's own "
+              f"entity: {sum(copied) / len(qs) / len(copied):.2f})", flush=True)
     print("main agent with a perfect sub-agent, success greedy / sampled:")
     for level in sorted(toy_tools.N_SNIPPETS):
         args.level, args.eval_questions = level, 200

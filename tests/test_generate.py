@@ -260,3 +260,13 @@ def test_a_shared_prompt_is_scored_once_with_the_same_logprobs_and_gradients(row
     ckpt, g_ckpt, n_calls = scored(True)
     assert n_calls == 1 and (ckpt - alone).abs().max() < 1e-5
     assert max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(g_alone, g_ckpt)) < 1e-5
+
+
+def test_a_kept_cache_as_long_as_its_context_is_a_clear_error(word_agent):
+    """A Kept handed with another conversation than its own (here: one no longer than what it holds)
+    stops with a message, not a shape error deep in the model or a silently wrong turn."""
+    ctx = contexts(word_agent)[:2]
+    kept = [Kept() for _ in ctx]
+    generate(word_agent, ctx, 4, seed=0, kept=kept)
+    with pytest.raises(ValueError, match="kept KV cache"):
+        generate(word_agent, ctx, 4, seed=0, kept=kept)

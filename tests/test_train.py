@@ -258,6 +258,17 @@ def test_bench_script_runs():
     assert "0.1M" in r.stdout.splitlines()[-1]
 
 
+def test_bench_scoring_script_runs():
+    """The scoring benchmark's rows: each agent kind, its prompt shared by every row, two timings."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_scoring.py")
+    r = subprocess.run([sys.executable, bench, "--model-size", "0.1M", "--batches", "3", "--repeat", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines()[-2:]]
+    assert [row[:2] for row in rows] == [["main", "3"], ["sub", "3"]]
+    assert all(int(row[4]) > 300 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows)  # tokens shared
+
+
 @pytest.mark.slow
 def test_sub_probe_script_runs():
     import subprocess
@@ -274,6 +285,8 @@ def test_sub_probe_script_runs():
     assert lines[i + 2].startswith("  level 2: friend ") and lines[i + 3].startswith("  level 3: friend1 0")
     for line in lines[-3:]:  # M with a perfect S: two shares in [0, 1]
         assert all(0 <= float(x) <= 1 for x in line.split(":")[1].split("/"))
+    for line in lines[i + 1:i + 4]:  # S's share of first searches for its sub-task's own entity
+        assert 0 <= float(line.rsplit(": ", 1)[1].rstrip(")")) <= 1
     # the single agent: every one of the 200 questions per level is right, or sorted by its first wrong search
     r = subprocess.run([sys.executable, probe, "--mode", "single-agent", "--sft-steps", "2", "--main-max-turns", "5"],
                        capture_output=True, text=True, timeout=300)
@@ -284,6 +297,19 @@ def test_sub_probe_script_runs():
         kinds = dict(c.rsplit(" ", 1) for c in counts.split(", "))
         assert head == f"  level {level}" and sum(map(int, kinds.values())) == 200
         assert set(kinds) <= {"right", "other"} | {f"search {i} asks for a wrong entity" for i in range(1, level + 2)}
+
+
+def test_sub_probe_reads_the_first_search_of_either_format():
+    from types import SimpleNamespace
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import sub_probe
+    from agents import Traj
+    agent = SimpleNamespace(tok=SimpleNamespace(decode=lambda ids: ids))
+    first = [sub_probe.first_search(agent, Traj(text, [], [])) for text in (
+        "<user> city of bo <search> bo </search> <tool> x <search> cy </search>",
+        '<tool_call>\n{"name": "search", "arguments": {"query": "zed"}}\n</tool_call> "query": "ada"',
+        "<return> avon </return>")]
+    assert first == ["bo", "zed", None]
 
 
 def test_sub_probe_gives_a_given_model_no_cold_start_unless_asked(tmp_path, monkeypatch):

@@ -63,6 +63,8 @@ class Kept:
 
 
 MIN_PREFIX = 16  # tokens of a prompt shared by a batch's new conversations worth a cache of their own
+KEEP_MIN = 64  # mean context length from which a batch's KV is kept: below, copying rows costs more than
+# the few tokens it saves (word-level contexts; measured in docs/benchmarks.md)
 
 
 def weights_version(model):
@@ -150,9 +152,10 @@ class EagerDecoder:
     def save(self, batch_rows, steps):
         """Keep the KV of these batch rows: their context and the `steps` tokens forwarded since."""
         for r in batch_rows:
-            real, k = self.attn[r].bool(), self.kept[self.rows[r]]
+            real, k = self.attn[r].nonzero()[:, 0], self.kept[self.rows[r]]
             k.n = self.lengths[self.rows[r]] + steps
-            k.layers = [(layer.keys[r][:, real], layer.values[r][:, real]) for layer in self.cache.layers]
+            k.layers = [(layer.keys[r].index_select(1, real), layer.values[r].index_select(1, real))
+                        for layer in self.cache.layers]
 
     def keep(self, rows, steps=0):
         """Only these batch rows go on; the others' KV is kept first (with `kept`)."""
@@ -248,7 +251,8 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
     torch.Generator seeded from `seed`, so a call does not depend on what ran before. A row ends at
     its first stop token, and leaves the batch. kept: one `Kept` per context, from the turn before
     (the conversation's KV) or new; then only what follows a row's kept KV is prefilled, new
-    conversations start from their shared prompt's KV, and each row's KV is kept for its next turn.
+    conversations start from their shared prompt's KV, and each row's KV is kept for its next turn
+    (for contexts of KEEP_MIN tokens or more on average; shorter ones are prefilled whole).
     With `agent.graphs` (--cuda-graphs on a GPU) the steps replay a CUDA graph over a static cache
     instead (`GraphDecoder`: every context prefilled whole), and finished rows stay, masked; if that
     fails, this agent decodes eagerly from then on.
@@ -274,7 +278,7 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
         logits = decoder.prefill(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0))
         next_pos = attn.sum(-1, keepdim=True)
     else:
-        decoder = EagerDecoder(agent, kept)
+        decoder = EagerDecoder(agent, kept if kept and sum(map(len, contexts)) >= KEEP_MIN * B else None)
         logits, next_pos = decoder.prefill(contexts)
     gen = torch.Generator(dev).manual_seed(seed)
     suppress = torch.tensor(agent.suppress, dtype=torch.long, device=dev)

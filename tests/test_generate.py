@@ -11,6 +11,7 @@ import helpers
 import mgrpo
 import toy_tools
 from agents import Traj, message_ids, prompt_ids
+import sampling
 from sampling import Kept, collate, generate, token_logprobs
 
 
@@ -193,12 +194,14 @@ def test_static_cache_decoding_equals_the_eager_loop(word_agent):
 
 
 @pytest.mark.parametrize("which", ["word", "chat"])
-def test_kept_conversations_sample_what_whole_contexts_sample(which, word_agent, chat_agent):
+def test_kept_conversations_sample_what_whole_contexts_sample(which, word_agent, chat_agent, monkeypatch):
     """Each conversation's KV kept from one turn to the next (and, for the chat model, the shared
     system prompt's KV computed once per set of weights) samples the very tokens that prefilling every
     context whole samples, and stores the log-probs that training recomputes, to 1e-5. Rows stop at
-    different steps, and conversations end at different turns."""
+    different steps, and conversations end at different turns. (Word-level contexts are short of
+    KEEP_MIN, so they are kept here only with it lowered.)"""
     base = word_agent if which == "word" else chat_agent
+    monkeypatch.setattr(sampling, "KEEP_MIN", 0)
     a = biased(base, {base.end[0]: 3.0})  # turns that end at different steps
     ctxs = [prompt_ids(a, "sub", f"city of {p}") for p in toy_tools.PERSONS[:12]]
     kept, alive, early = [Kept() for _ in ctxs], list(range(12)), 0
@@ -216,7 +219,7 @@ def test_kept_conversations_sample_what_whole_contexts_sample(which, word_agent,
         for j, (new, _, _) in zip(alive, reuse):
             ctxs[j] = ctxs[j] + new + message_ids(a, "tool", f"result {turn} of {j}")
         alive = [j for i, j in enumerate(alive) if (i + turn) % 3]  # a third of the conversations end
-    assert early >= 3 and len(alive) < 12
+    assert early >= 3 and len(alive) < 12 and all(k.n > 0 for k in kept)
     assert bool(a.prefixes) == (which == "chat")  # a shared prompt of 16 tokens or more gets its cache
     with torch.no_grad():  # new weights: the shared prompt's KV is computed anew, not reused stale
         for p in a.model.parameters():
@@ -262,10 +265,15 @@ def test_a_shared_prompt_is_scored_once_with_the_same_logprobs_and_gradients(row
     assert max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(g_alone, g_ckpt)) < 1e-5
 
 
-def test_a_kept_cache_as_long_as_its_context_is_a_clear_error(word_agent):
+def test_a_kept_cache_as_long_as_its_context_is_a_clear_error(word_agent, monkeypatch):
     """A Kept handed with another conversation than its own (here: one no longer than what it holds)
-    stops with a message, not a shape error deep in the model or a silently wrong turn."""
+    stops with a message, not a shape error deep in the model or a silently wrong turn; contexts
+    shorter than KEEP_MIN on average keep nothing."""
     ctx = contexts(word_agent)[:2]
+    kept = [Kept() for _ in ctx]
+    generate(word_agent, ctx, 4, seed=0, kept=kept)
+    assert [k.n for k in kept] == [0, 0]
+    monkeypatch.setattr(sampling, "KEEP_MIN", 0)
     kept = [Kept() for _ in ctx]
     generate(word_agent, ctx, 4, seed=0, kept=kept)
     with pytest.raises(ValueError, match="kept KV cache"):

@@ -81,6 +81,12 @@ def kv_alone(agent, ids):
     return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
 
 
+def common_prefix(ids, attn):
+    """How many first positions all rows share, ids and attention mask alike (a shared prompt)."""
+    same = ((ids == ids[:1]) & (attn == attn[:1])).all(0)
+    return len(same) if same.all() else int(same.int().argmin())
+
+
 def share_prompt(agent, contexts, kept):
     """New conversations (nothing kept yet) start from the KV of the prompt they share (the longest
     common prefix, less each one's last token), computed once per set of weights: agent.prefixes."""
@@ -89,8 +95,7 @@ def share_prompt(agent, contexts, kept):
     if n < MIN_PREFIX:
         return
     ids = torch.tensor([contexts[b][:n] for b in fresh])
-    same = (ids == ids[0]).all(0)
-    n = n if same.all() else int(same.int().argmin())
+    n = common_prefix(ids, torch.ones_like(ids))
     if n < MIN_PREFIX:
         return
     key, version = tuple(contexts[fresh[0]][:n]), weights_version(agent.model)
@@ -307,12 +312,6 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
     for row, lp, n in zip(new[:B].tolist(), new_lp[:B].tolist(), length[:B].long().tolist()):
         out.append((row[:n], lp[:n], row[n - 1] in agent.stop_ids))
     return out
-
-
-def common_prefix(ids, attn):
-    """How many first positions all rows share, ids and attention mask alike (a shared prompt)."""
-    same = ((ids == ids[:1]) & (attn == attn[:1])).all(0)
-    return len(same) if same.all() else int(same.int().argmin())
 
 
 def token_logprobs(model, ids, attn):

@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 import helpers
 import mgrpo
 import toy_tools
-from agents import Traj, message_ids, prompt_ids
+from agents import Traj, checkpoint_activations, message_ids, prompt_ids
 import sampling
 from sampling import Kept, collate, generate, token_logprobs
 
@@ -258,7 +258,7 @@ def test_a_shared_prompt_is_scored_once_with_the_same_logprobs_and_gradients(row
     assert n_calls == 2  # the shared prompt on one row, then the rest of every row
     assert ((alone - shared).abs().max()) < 1e-5 and (shared != 0).sum() > 0
     assert max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(g_alone, g_shared)) < 1e-5
-    a.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpoint_activations(a.model, "the chat model")
     a.model.train()
     ckpt, g_ckpt, n_calls = scored(True)
     assert n_calls == 1 and (ckpt - alone).abs().max() < 1e-5

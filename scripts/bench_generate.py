@@ -232,8 +232,8 @@ def floor_per_step(calls):
         prompts.setdefault((name, step), []).append(x)
     shared = 0
     for group in prompts.values():
-        n = min(map(len, group)) - 1
-        common = next((i for i in range(n) if any(g[i] != group[0][i] for g in group)), n)
+        ids = torch.tensor([g[:min(map(len, group)) - 1] for g in group])
+        common = sampling.common_prefix(ids, torch.ones_like(ids))
         shared += common * (len(group) - 1) if common >= sampling.MIN_PREFIX else 0
     return (total - shared) / len({c[6] for c in calls})
 

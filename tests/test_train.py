@@ -258,6 +258,21 @@ def test_bench_script_runs():
     assert "0.1M" in r.stdout.splitlines()[-1]
 
 
+def test_bench_generate_script_runs(tmp_path):
+    """The replay benchmark records a step, replays it, and counts prefilled tokens: never fewer than
+    the floor it prints."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_generate.py")
+    r = subprocess.run([sys.executable, bench, "--model-size", "0.1M", "--sft-steps", "2", "--steps", "1", "--rounds",
+                        "1", "--repeat", "1", "--methods", "before", "mgrpo", "--folder", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[-3:-1]}
+    floor = float(lines[-1].split(": ")[1].split()[0])
+    assert set(rows) == {"before", "mgrpo"} and floor > 0
+    assert all(float(row[-1]) >= floor for row in rows.values())
+
+
 def test_bench_scoring_script_runs():
     """The scoring benchmark's rows: each agent kind, its prompt shared by every row, two timings."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_scoring.py")

@@ -10,6 +10,7 @@ the last assistant turn differently (Qwen3).
 """
 import functools
 import json
+import os
 import random
 import re
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ class Agent:
     pending: tuple = None  # --unsync: (batch, advantages) of the previous step, not yet trained on
     skipped: int = 0       # updates in a row with a step skipped for a non-finite loss or gradient
     graphs: dict = None    # --cuda-graphs on a GPU: (rows, cache slots) -> GraphDecoder
+    peft: object = None    # --lora-rank: the PeftModel around `model` (saves the adapter, switches it off)
     splits: dict = field(default_factory=dict)  # (template, kind of text) -> its (head, tail), or None
     prefixes: dict = field(default_factory=dict)  # a shared prompt's ids -> (weights version, its KV)
 
@@ -169,7 +171,10 @@ def load_agent(name, args, task, seed=0, lr=None):
     its tokenizer, its own AdamW (lr: default args.lr), and what sampling needs to know of its tokens.
     args: the run's settings it reads (chat, model_size, device, dtype, lr, weight_decay,
     max_new_tokens, grad_checkpointing, cuda_graphs); task: the task, whose words and prompts it uses."""
-    if name:
+    peft = None
+    if name and os.path.isfile(os.path.join(name, "adapter_config.json")):  # a LoRA adapter over its base
+        tok, (model, peft) = AutoTokenizer.from_pretrained(name), load_adapter(name, args)
+    elif name:
         tok = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)  # fp32 master weights
     else:
@@ -177,19 +182,72 @@ def load_agent(name, args, task, seed=0, lr=None):
         model = build_model(tok, args.model_size, args.chat, seed)
     if not tok.chat_template:
         raise ValueError(f"{name}: the tokenizer has no chat template; the agents need one (an instruct model)")
+    for key in ("final_logit_softcapping", "logit_scale"):  # training runs the head itself (token_logprobs)
+        if getattr(model.config, key, None) not in (None, 1, 1.0):
+            raise ValueError(f"{name}: a model whose {key} changes its logits after the head is not supported")
     model.to(args.device).eval()  # eval: no dropout, so sampling and training log-probs agree
     if args.grad_checkpointing:
         checkpoint_activations(model, name)
     eos = model.generation_config.eos_token_id
     stop = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     chat = tok.chat_template != WORD_TEMPLATE
-    opt = torch.optim.AdamW(model.parameters(), lr=lr or args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-    return Agent(model, tok, opt, stop_ids=tuple(sorted(stop)),
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr or args.lr, betas=(0.9, 0.98),
+                            weight_decay=args.weight_decay)
+    return Agent(model, tok, opt, peft=peft, stop_ids=tuple(sorted(stop)),
                  suppress=tuple(sorted({tok.pad_token_id, tok.unk_token_id} - stop - {None})),
                  pad_id=tok.pad_token_id if tok.pad_token_id is not None else min(stop),
                  end=turn_end(tok, stop, name), max_new=args.max_new_tokens or (256 if chat else 8), chat=chat,
                  system=task.SYSTEM if chat else None, bf16=args.dtype == "bfloat16",
                  graphs={} if args.cuda_graphs and model.device.type == "cuda" else None)
+
+
+# ---------------------------------------------------------------------------------------
+# LoRA (--lora-rank): a frozen base and an adapter of each agent's own, through peft
+# ---------------------------------------------------------------------------------------
+def add_adapter(agent, args, base):
+    """Freeze the agent's model (in bf16 with --dtype bfloat16, else as loaded) and put a LoRA adapter
+    on its --lora-targets, trained in fp32 by a new AdamW with the old one's settings. base: where the
+    frozen base loads from (a name or a folder), kept in the adapter's config, so that a saved
+    adapter loads with peft alone (AutoPeftModelForCausalLM)."""
+    from peft import LoraConfig, get_peft_model
+    agent.model.zero_grad(set_to_none=True)  # a stale gradient on the base would count in every clip
+    if args.dtype == "bfloat16":
+        agent.model.to(torch.bfloat16)
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    agent.peft = get_peft_model(agent.model, LoraConfig(  # adapters in fp32: peft's autocast_adapter_dtype
+        r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
+        target_modules=targets))
+    agent.peft.peft_config["default"].base_model_name_or_path = base
+    agent.model = agent.peft.get_base_model()  # the model itself, its linear layers now with adapters
+    old = agent.opt.defaults
+    agent.opt = torch.optim.AdamW([p for p in agent.model.parameters() if p.requires_grad], lr=old["lr"],
+                                  betas=old["betas"], weight_decay=old["weight_decay"])
+
+
+def load_adapter(path, args):
+    """(model with the adapter in it, its PeftModel) of a saved LoRA adapter: the base named in its
+    config, frozen in bf16 with --dtype bfloat16 (else fp32), the adapter trainable, in fp32."""
+    from peft import PeftConfig, PeftModel
+    base = PeftConfig.from_pretrained(path).base_model_name_or_path
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{path}: the adapter's config names no base model")
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), path, is_trainable=True)
+    return peft.get_base_model(), peft
+
+
+def share_base(agents):
+    """--share-base: the sub-agent's frozen weights become the main agent's (the same tensors, held once);
+    each keeps its adapter. The two bases must be equal, parameter by parameter."""
+    main, sub = agents["main"].model, agents["sub"].model
+    mods = dict(main.named_modules())
+    for name, m in sub.named_modules():
+        for key, p in list(m.named_parameters(recurse=False)):
+            if not p.requires_grad:
+                q = getattr(mods.get(name), key, None)
+                if q is None or q.shape != p.shape or q.requires_grad or not torch.equal(q, p):
+                    raise ValueError(f"--share-base: the agents' bases differ at {name}.{key}")
+                m._parameters[key] = q
 
 
 # ---------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def fsync_dir(path):
 def write_state(folder, agents, index, n_metrics, sft_rounds):
     """The agents and state.pt into `folder`."""
     for name, a in agents.items():
-        a.model.save_pretrained(os.path.join(folder, name))
+        (a.peft or a.model).save_pretrained(os.path.join(folder, name))  # with LoRA: the adapter
         a.tok.save_pretrained(os.path.join(folder, name))
     pending = {n: ([dataclasses.asdict(t) for t in a.pending[0]], a.pending[1].tolist())
                for n, a in agents.items() if a.pending}
@@ -134,30 +134,34 @@ def clear_run(out):
     """A fresh run over an earlier one (--overwrite): its checkpoints, reference and cold-start check
     go, so that pruning cannot drop the new run's checkpoints as older, nor --resume continue the old
     run."""
-    for path in checkpoints(out) + [os.path.join(out, "ref")]:
+    for path in checkpoints(out) + [os.path.join(out, "ref"), os.path.join(out, "base")]:
         shutil.rmtree(path, ignore_errors=True)
     if os.path.exists(os.path.join(out, "sft_check.json")):
         os.remove(os.path.join(out, "sft_check.json"))
 
 
-def save_reference(out, agents):
-    """--kl-coef: each agent as RL starts, saved before the checkpoint that ends the cold start, so that
-    a resumed run always finds it; like a checkpoint, written aside, fsynced and renamed in."""
-    tmp, ref = os.path.join(out, f"ckpt-tmp-ref-{secrets.token_hex(4)}"), os.path.join(out, "ref")
+def save_frozen(out, folder, agents):
+    """Models that a run keeps as they are now, in <out>/<folder>/<agent>: --kl-coef's reference ("ref",
+    saved before the checkpoint that ends the cold start, so that a resumed run always finds it) and
+    --lora-rank's bases ("base"). Like a checkpoint, written aside, fsynced and renamed in."""
+    tmp, final = os.path.join(out, f"ckpt-tmp-{folder}-{secrets.token_hex(4)}"), os.path.join(out, folder)
     for n, a in agents.items():
         a.model.save_pretrained(os.path.join(tmp, n))
     fsync_tree(tmp)
-    if os.path.exists(ref):  # a cold start cut off and resumed saves it again
+    if os.path.exists(final):  # a cold start cut off and resumed saves it again
         aside = os.path.join(out, f"ckpt-tmp-old-{secrets.token_hex(4)}")
-        os.rename(ref, aside)
+        os.rename(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
-    os.rename(tmp, ref)
+    os.rename(tmp, final)
     fsync_dir(out)
 
 
 def load_reference(out, agents, device):
-    """--kl-coef: the frozen reference of each agent, in its sampling dtype."""
+    """--kl-coef: the frozen reference of each agent, in its sampling dtype (with LoRA: none, the base
+    with its adapter switched off is the reference)."""
     for n, a in agents.items():
+        if a.peft:
+            continue
         dtype = torch.bfloat16 if a.bf16 else torch.float32
         a.ref = AutoModelForCausalLM.from_pretrained(os.path.join(out, "ref", n), dtype=dtype)
         a.ref.to(device).eval().requires_grad_(False)

@@ -11,6 +11,7 @@ import json
 import math
 import multiprocessing
 import os
+import dataclasses
 import random
 import tempfile
 import time
@@ -20,8 +21,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agents import load_agent, message_ids, new_traj
-from checkpoints import load_reference, save_checkpoint, save_reference
+from agents import add_adapter, load_agent, message_ids, new_traj, share_base
+from checkpoints import load_reference, save_checkpoint, save_frozen
 from run import agent_kinds, exit_with_parent, levels, load_task
 from sampling import collate, token_logprobs
 from tools import stable_seed
@@ -53,15 +54,18 @@ def cold_start(agent, kind, args, task, seed, steps):
     cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     t0, loss = time.time(), torch.tensor(0.0)
+    # --sft-bare: a tiny model behind a ~460-token system prompt takes many times longer to learn to
+    # copy a name from its task; learned on bare demos first, the copy carries over in ~100 steps
+    bare = dataclasses.replace(agent, system=None, splits={})
     for i in range(steps):
-        demos = []
+        demos, enc = [], bare if agent.system and i < args.sft_bare * steps else agent
         for j in range(args.sft_batch):  # a question, then its demo, from the one rng
             q = task.make_question(rng.randrange(2 ** 31), mix[j % len(mix)])
-            demos.append(encode_demo(agent, task.demo(q, rng, args.demo_noise, kind, agent.chat), kind))
+            demos.append(encode_demo(enc, task.demo(q, rng, args.demo_noise, kind, agent.chat), kind))
         ids, attn, mask, _ = collate(demos, agent.pad_id, agent.model.device)
         agent.model.train(args.grad_checkpointing)
         with agent.autocast():
-            loss = -(token_logprobs(agent.model, ids, attn) * mask).sum() / mask.sum()
+            loss = -token_logprobs(agent.model, ids, attn, mask).sum() / mask.sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} in the cold start of {kind}, step {i + 1}")
         opt.zero_grad(set_to_none=True)
@@ -73,6 +77,7 @@ def cold_start(agent, kind, args, task, seed, steps):
             print(f"  cold start {kind}: step {i + 1}/{steps}, loss {loss.item():.3f}, about "
                   f"{(time.time() - t0) / (i + 1) * (steps - i - 1):.0f}s left", flush=True)
     agent.model.eval()
+    opt.zero_grad(set_to_none=True)  # no stale gradient left on the weights (nor its memory)
     return loss.item()
 
 
@@ -142,16 +147,36 @@ def cold_start_checked(agents, args, task, out, done, check):
         print("warning: the cold start did not reach --sft-until after 3 more rounds; RL starts anyway", flush=True)
 
 
+def attach_adapters(agents, args, out):
+    """--lora-rank, as RL starts: each agent's weights frozen and an adapter of its own put on them.
+    A base that this run built or cold-started is saved first, to <out>/base/<agent>, which its
+    adapter names; a given one is named as given. --share-base: then one base serves both."""
+    given = {"main": args.main_model, "sub": args.sub_model}
+    steps = cold_start_steps(args, {n: given[n] for n in agents})
+    own = {n: a for n, a in agents.items() if not given[n] or steps[n]}
+    if own:
+        save_frozen(out, "base", own)
+    for n, a in agents.items():
+        add_adapter(a, args, os.path.abspath(os.path.join(out, "base", n)) if n in own else given[n])
+    if args.share_base:
+        share_base(agents)
+
+
 def before_rl(agents, args, task, out, done, check):
     """What comes before the first RL step. For a new run (done = 0), or one cut off in its cold
-    start (done: its rounds), the cold start with its check, then --kl-coef's frozen reference
-    (saved before the checkpoint that ends the cold start, so that a resumed run always finds it)
-    and the checkpoint that RL starts from; done = None: a resumed run past all that. With
-    --kl-coef, the reference is loaded into each agent."""
+    start (done: its rounds), the cold start with its check, --lora-rank's adapters, then --kl-coef's
+    frozen reference (saved before the checkpoint that ends the cold start, so that a resumed run
+    always finds it) and the checkpoint that RL starts from; done = None: a resumed run past all that
+    (its agents hold their adapters; --share-base shares their base again). With --kl-coef, the
+    reference is loaded into each agent."""
     if done is not None:
         cold_start_checked(agents, args, task, out, done, check)
-        if args.kl_coef:
-            save_reference(out, agents)
+        if args.lora_rank:
+            attach_adapters(agents, args, out)
+        if args.kl_coef and not args.lora_rank:
+            save_frozen(out, "ref", agents)
         save_checkpoint(out, agents, 0, 0)
+    elif args.share_base:
+        share_base(agents)
     if args.kl_coef:
         load_reference(out, agents, args.device)

@@ -32,6 +32,7 @@ the toy task.
     python mgrpo.py              # CPU demo: cold start, then M-GRPO on the toy task
     python mgrpo.py --help
 """
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -83,6 +84,10 @@ class Args:
     loss_agg: str = arg("seq-mean", "seq-mean: over each row's tokens, then over rows; token-mean")
     grad_clip: float = arg(1.0, "max gradient norm per agent")
     kl_coef: float = arg(0.0, "k3 KL to a frozen copy of each agent as RL starts (0, as the paper)")
+    lora_rank: int = arg(0, "LoRA: each agent's base frozen, an adapter of this rank trained; 0: all")
+    lora_alpha: float = arg(0.0, "LoRA's alpha (the update is scaled by alpha / rank); 0: 2 x rank")
+    lora_targets: str = arg("all-linear", "LoRA's modules: all-linear, or names, e.g. q_proj,v_proj")
+    share_base: bool = arg(False, "LoRA, both agents in one process: one frozen base, two adapters")
     w_main_format: float = arg(0.1, "eq. 4: R_M = w r_format + (1 - w) r_correct, format valid")
     w_sub: tuple = arg((0.1, 0.4, 0.5), "eq. 5: weights of r_format, r_correct_main, r_expert")
     main_max_turns: int = arg(4, "M's turns per rollout (delegations + the answer)")
@@ -93,6 +98,8 @@ class Args:
     sft_levels: str = arg("", "cold-start demos' levels, in turn, e.g. '1,2'; empty: --level")
     sft_batch: int = arg(64, "demos per cold-start step, per agent")
     sft_lr: float = arg(1.5e-3, "cold-start learning rate")
+    sft_bare: float = arg(0.0, "chat models: share of the cold start's first steps with bare demos "
+                          "(no system prompt): a tiny model learns to copy from its task faster")
     sft_until: float = arg(0.0, "after the cold start, the system's greedy success on 256 held-out "
                            "questions per --sft-levels level; below it, another round (at most 3)")
     demo_noise: float = arg(0.1, "probability that a demo replaces an entity by a random one")
@@ -119,6 +126,8 @@ class Args:
     resume: bool = arg(False, "continue from the last checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds a run: its checkpoints go")
     save_every: int = arg(1, "checkpoint every N steps (and after each evaluation)")
+    report_to: str = arg("", "also log metrics.jsonl's numbers to 'tensorboard' (<out>/tb) or 'wandb' "
+                         "(WANDB_MODE=offline needs no network); each an optional install")
 
 
 # =========================================================================================
@@ -315,7 +324,7 @@ def backward(agent, batch, adv, ref, args, acc):
         t0 = time.perf_counter()
         sl = slice(s, s + mb)
         with agent.autocast():
-            logp = token_logprobs(agent.model, ids[sl], attn[sl])
+            logp = token_logprobs(agent.model, ids[sl], attn[sl], mask[sl])
         loss, stats = policy_loss(logp, old[sl], adv[sl], mask[sl], args.eps_low, args.eps_high,
                                   args.loss_agg, None if ref is None else ref[sl], args.kl_coef)
         if not torch.isfinite(loss):
@@ -342,10 +351,11 @@ def update_agent(agent, trajs, adv, args):
     ids, attn, mask, _ = batch
     mb = args.micro_batch or len(trajs)
     ref = None
-    if agent.ref is not None:  # --kl-coef: the frozen reference's log-probs, once per batch
-        with torch.no_grad(), agent.autocast():
-            ref = torch.cat([token_logprobs(agent.ref, ids[s:s + mb], attn[s:s + mb])
-                             for s in range(0, len(trajs), mb)])
+    if args.kl_coef:  # the frozen reference's log-probs, once per batch: a copy, or LoRA's base
+        off = agent.peft.disable_adapter() if agent.peft else contextlib.nullcontext()
+        with torch.no_grad(), agent.autocast(), off:
+            ref = torch.cat([token_logprobs(agent.ref or agent.model, ids[s:s + mb], attn[s:s + mb],
+                                            mask[s:s + mb]) for s in range(0, len(trajs), mb)])
     acc = {"clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "t_fwd": 0.0, "t_bwd": 0.0,
            "skipped": 0}
     agent.model.train(args.grad_checkpointing)  # recomputing needs train mode (no dropout: checked)
@@ -633,6 +643,7 @@ def main(argv=None):
         log = Log(args, agents, out, store, len(schedule(args)), n_lines)
         walk = serve_sub if args.role == "sub" else train  # S in its own process, or M (and S)
         walk(agents, args, task, search, store, log, start)
+        log.close()  # --report-to's TensorBoard or W&B
     return report(args, agents, out, t_start, paper_D)
 
 

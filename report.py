@@ -19,6 +19,7 @@ class Log:
     def __init__(self, args, agents, out, store, n_phases, n_lines):
         self.args, self.agents, self.out, self.store = args, agents, out, store
         self.n_phases, self.lines, self.io_mark = n_phases, n_lines, store.io_time if store else 0.0
+        self.track, self.close = tracker(args, out)
 
     def phase_done(self, idx, kind, step, rec):
         """rec: the phase's metrics, or None (the sub role's evaluations)."""
@@ -30,6 +31,7 @@ class Log:
                 f.flush()
                 os.fsync(f.fileno())  # on disk before a checkpoint that counts it
             self.lines += 1
+            self.track(rec)
             print(progress_line(rec, self.args.steps), flush=True)
         if kind == "eval" or step % self.args.save_every == 0 or idx == self.n_phases - 1:
             save_checkpoint(self.out, self.agents, idx + 1, self.lines)
@@ -40,6 +42,33 @@ class Log:
                     self.store.prune(min(idx + 1, peer_saved))
         if self.store:  # the next phase's store time counts from here
             self.io_mark = self.store.io_time
+
+
+def tracker(args, out):
+    """--report-to: (log, close), where log(rec) sends a metrics line's numbers to TensorBoard or W&B,
+    imported only then; without it, functions that do nothing. metrics.jsonl is written either way."""
+    if args.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.path.join(out, "tb"))
+
+        def log(rec):
+            for k, v in scalars(rec).items():
+                writer.add_scalar(k, v, rec["step"])
+            writer.flush()  # on disk line by line, as metrics.jsonl is
+        return log, writer.close
+    if args.report_to == "wandb":
+        import wandb
+        run = wandb.init(project="mgrpo", dir=out, name=os.path.basename(os.path.abspath(out)),
+                         config=vars(args))
+        return lambda rec: run.log(scalars(rec), step=rec["step"]), run.finish
+    return (lambda rec: None), (lambda: None)
+
+
+def scalars(rec):
+    """A metrics line's numbers by name; an evaluation's as eval/<greedy or sampled>_success."""
+    if "eval" in rec:
+        return {f"eval/{rec['eval']}_success": rec["eval_success"]}
+    return {k: v for k, v in rec.items() if k != "step" and type(v) in (int, float)}
 
 
 def progress_line(rec, steps):
@@ -56,8 +85,8 @@ def progress_line(rec, steps):
 def report(args, agents, out, t_start, d_rule):
     """After the last phase: the trained agents, summary.json, curves.png and the figures.
     d_rule(d values) -> the D that the paper's rule picks from them."""
-    for n, a in agents.items():  # the trained agents, ready for from_pretrained
-        a.model.save_pretrained(os.path.join(out, n))
+    for n, a in agents.items():  # the trained agents, ready for from_pretrained (LoRA: for peft)
+        (a.peft or a.model).save_pretrained(os.path.join(out, n))
         a.tok.save_pretrained(os.path.join(out, n))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]

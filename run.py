@@ -82,7 +82,7 @@ def problems(a):
         (a.max_sub < 1, "--max-sub must be >= 1"),
         (a.mode not in MODES, "--mode must be co-train, main-only or single-agent"),
         (a.mode == "single-agent" and a.role != "both", "--mode single-agent runs in one process (--role both)"),
-        (not 0 <= a.sft_until <= 1, "--sft-until is a success rate, in [0, 1]"),
+        (not 0 <= a.sft_until <= 1 or not 0 <= a.sft_bare <= 1, "--sft-until and --sft-bare are shares, in [0, 1]"),
         (a.sft_until and a.role != "both", "--sft-until checks both agents together: it needs --role both"),
         (a.sft_until and a.sft_steps == 0, "--sft-until checks a cold start: it needs --sft-steps > 0"),
         (a.unsync and a.mode != "co-train", "--unsync changes how S trains: it needs --mode co-train"),
@@ -104,7 +104,15 @@ def problems(a):
         (a.resume and a.overwrite, "--resume continues a run, --overwrite starts afresh over it: one of them"),
         (a.save_every < 1 or a.peer_timeout <= 0 or (a.progress_timeout < 0 and a.progress_timeout != -1),
          "--save-every must be >= 1, --peer-timeout > 0 and --progress-timeout >= 0 (or -1: auto)"),
-        (a.search_timeout <= 0 or a.search_retries < 0, "--search-timeout must be > 0, --search-retries >= 0")]
+        (a.search_timeout <= 0 or a.search_retries < 0, "--search-timeout must be > 0, --search-retries >= 0"),
+        (a.report_to not in ("", "tensorboard", "wandb"), "--report-to must be tensorboard or wandb"),
+        (a.lora_rank < 0 or a.lora_alpha < 0, "--lora-rank and --lora-alpha must be >= 0"),
+        (a.share_base and not (a.lora_rank and a.role == "both" and a.mode == "co-train"),
+         "--share-base shares one base between two adapters: it needs --lora-rank, --role both, co-train"),
+        (a.share_base and not (a.main_model and a.main_model == a.sub_model and a.sft_steps <= 0),
+         "--share-base needs one given base for both (--main-model = --sub-model) and no cold start"),
+        (a.report_to in ("tensorboard", "wandb") and not importlib.util.find_spec(a.report_to),
+         f"--report-to {a.report_to} needs its package: pip install {a.report_to}")]
     return [message for bad, message in checks if bad]
 
 
@@ -213,7 +221,7 @@ def open_store(args):
 # --sft-until takes the rounds done as the cold start)
 SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
             "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every",
-            "sft_steps", "sft_levels", "kl_coef")
+            "sft_steps", "sft_levels", "sft_bare", "kl_coef", "lora_rank", "lora_alpha", "lora_targets", "share_base")
 
 
 @contextlib.contextmanager

@@ -314,32 +314,47 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
     return out
 
 
-def token_logprobs(model, ids, attn):
+def token_logprobs(model, ids, attn, mask=None):
     """logp[b, t] = log p(ids[b, t] | ids[b, :t]), and 0 at padding and at each row's first
     token (nothing predicts it). Any padding side: position ids come from the attention mask,
-    so a padded row is scored as if it were unpadded; logits at t-1 predict the token at t.
+    so a padded row is scored as if it were unpadded; the state at t-1 predicts the token at t.
+    mask: log-probs only where it is 1 (0 elsewhere): the model's body runs over every position,
+    its head and log-softmax only over those, since with a large vocabulary the logits of a whole
+    context (prompt and tool output included) are most of a micro-batch's memory.
     A prompt that all rows share (MIN_PREFIX tokens or more) goes through the model once, on one
     row, and its KV is repeated for the others: the same log-probs, and gradients summed over the
     rows through the repeat, for a fraction of the work when the prompt is most of each row (chat
     models). Not with gradient checkpointing, which drops the cache in training."""
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     n = min(common_prefix(ids, attn), ids.shape[1] - 1)
+    keep = attn[:, 1:] * attn[:, :-1] * (1 if mask is None else mask[:, 1:])
     checkpointing = model.training and any(getattr(m, "gradient_checkpointing", False) is True
                                            for m in model.modules())
+    body = model.get_decoder()
     if len(ids) < 2 or n < MIN_PREFIX or checkpointing:
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
-        lp = next_logp(logits[:, :-1], ids[:, 1:])
+        h = body(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).last_hidden_state
+        lp = head_logp(model, h[:, :-1], ids[:, 1:], keep, mask is None)
     else:
         cache, key = transformers.DynamicCache(config=model.config), cache_keyword(type(model))
-        head = model(input_ids=ids[:1, :n], attention_mask=attn[:1, :n], position_ids=pos[:1, :n],
-                     use_cache=True, **{key: cache}).logits
+        first = body(input_ids=ids[:1, :n], attention_mask=attn[:1, :n], position_ids=pos[:1, :n],
+                     use_cache=True, **{key: cache}).last_hidden_state
         cache.batch_repeat_interleave(len(ids))
-        tail = model(input_ids=ids[:, n:], attention_mask=attn, position_ids=pos[:, n:], use_cache=True,
-                     **{key: cache}).logits
-        lp = torch.cat([next_logp(head, ids[:, 1:n + 1]),
-                        next_logp(tail[:, :-1], ids[:, n + 1:])], 1)
-    lp = lp * (attn[:, 1:] * attn[:, :-1])
+        rest = body(input_ids=ids[:, n:], attention_mask=attn, position_ids=pos[:, n:], use_cache=True,
+                    **{key: cache}).last_hidden_state
+        lp = torch.cat([head_logp(model, first, ids[:, 1:n + 1], keep[:, :n], mask is None),
+                        head_logp(model, rest[:, :-1], ids[:, n + 1:], keep[:, n:], mask is None)], 1)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+
+
+def head_logp(model, h, targets, keep, everywhere=True):
+    """log p(targets) from the body's last states h [B or 1, T, H], in fp32, times keep [B, T]: the
+    head at every position, or (everywhere=False) only where keep is 1."""
+    if everywhere:
+        return next_logp(model.get_output_embeddings()(h), targets) * keep
+    at = keep.nonzero(as_tuple=True)
+    h = h.expand(len(targets), -1, -1)
+    lp = next_logp(model.get_output_embeddings()(h[at])[None], targets[at][None])[0]
+    return torch.zeros(targets.shape, dtype=lp.dtype, device=h.device).index_put(at, lp)
 
 
 def next_logp(logits, targets):

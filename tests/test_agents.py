@@ -146,3 +146,22 @@ def test_save_and_load_with_from_pretrained(tmp_path, args, agents):
     with torch.no_grad():
         assert torch.allclose(main.model(ids).logits, loaded.model(ids).logits, atol=1e-6)
     assert loaded.stop_ids == main.stop_ids and loaded.suppress == main.suppress
+    main.model.config.final_logit_softcapping = 30.0  # as Gemma 2's: training would skip it
+    main.model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        helpers.load_agent(str(tmp_path), args)
+    del main.model.config.final_logit_softcapping
+
+
+def test_sft_bare_leaves_the_system_prompt_out_of_the_first_steps_only(monkeypatch):
+    """--sft-bare 0.5 over 4 steps: the first 2 steps' demos start bare (the template's default system
+    prompt), the last 2 with the agent's own, which is what rollouts will see."""
+    import cold_start
+    args = mgrpo.parse_args(["--chat", "--model-size", "0.1M", "--sft-batch", "2", "--sft-bare", "0.5",
+                             "--max-new-tokens", "40"])
+    agent, seen, real = helpers.load_agent("", args, 0), [], cold_start.encode_demo
+    monkeypatch.setattr(cold_start, "encode_demo", lambda a, msgs, kind: seen.append(real(a, msgs, kind)) or seen[-1])
+    cold_start.cold_start(agent, "sub", args, toy_tools, 0, 4)
+    texts = [agent.tok.decode(t.ids) for t in seen]
+    assert [toy_tools.SYSTEM["sub"] in s for s in texts] == [False] * 4 + [True] * 4
+    assert all("helpful assistant" in s for s in texts[:4])

@@ -241,7 +241,7 @@ def test_a_shared_prompt_is_scored_once_with_the_same_logprobs_and_gradients(row
     ids, attn, _, _ = collate([Traj(r, [0] * len(r), [0.0] * len(r)) for r in rows], a.pad_id, "cpu")
     weights = torch.rand(ids.shape) * attn  # a loss that reads every position
     calls = []
-    a.model.register_forward_hook(lambda module, inputs, out: calls.append(1))
+    a.model.get_decoder().register_forward_hook(lambda module, inputs, out: calls.append(1))
 
     def scored(batched):
         a.model.zero_grad()
@@ -278,3 +278,26 @@ def test_a_kept_cache_as_long_as_its_context_is_a_clear_error(word_agent, monkey
     generate(word_agent, ctx, 4, seed=0, kept=kept)
     with pytest.raises(ValueError, match="kept KV cache"):
         generate(word_agent, ctx, 4, seed=0, kept=kept)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_logprobs_only_where_the_mask_reads_them(shared, chat_agent):
+    """token_logprobs with a loss mask runs the head only at its 1s: the same log-probs there (1e-5)
+    and 0 elsewhere, the same gradients, with and without a prompt shared by all rows."""
+    a = copy.deepcopy(chat_agent)
+    rows = [prompt_ids(a, "sub", f"city of {p}")[0 if shared else i:] + message_ids(a, "tool", "x " * i)
+            for i, p in enumerate(toy_tools.PERSONS[:5])]
+    ids, attn, _, _ = collate([Traj(r, [0] * len(r), [0.0] * len(r)) for r in rows], a.pad_id, "cpu")
+    mask = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) < 0.3).long() * attn
+    weights = torch.rand(ids.shape)
+
+    def scored(m):
+        a.model.zero_grad()
+        lp = token_logprobs(a.model, ids, attn, m) * mask
+        (lp * weights).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in a.model.parameters()]
+
+    (full, g_full), (part, g_part) = scored(None), scored(mask)
+    assert (full - part).abs().max() < 1e-5 and (part != 0).sum() == (mask[:, 1:] * attn[:, :-1]).sum()
+    assert max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(g_full, g_part)) < 1e-5
+    assert (token_logprobs(a.model, ids, attn, mask)[mask == 0] == 0).all()

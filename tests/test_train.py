@@ -1,5 +1,6 @@
 """End to end: the command line, its outputs, reproducibility, and a run that learns."""
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -38,7 +39,7 @@ def metrics(out, evals=False):
 
 def test_short_run_writes_everything(tmp_path):
     out = str(tmp_path / "run")
-    summary = mgrpo.main(SHORT + ["--out", out])
+    summary = mgrpo.main(SHORT + ["--out", out, "--report-to", "tensorboard"])
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -62,9 +63,20 @@ def test_short_run_writes_everything(tmp_path):
     for name in ("main", "sub"):
         agent = helpers.load_agent(os.path.join(out, name), args, seed=0)
         assert agent.tok.decode(prompt_ids(agent, name, "city of ada")) == "<user> city of ada <assistant>"
+    # --report-to tensorboard: every number of metrics.jsonl in the event file, at its step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(os.path.join(out, "tb"))
+    events.Reload()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    want = {(k if "eval" not in r else f"eval/{r['eval']}_success", r["step"]): v for r in lines
+            for k, v in r.items() if type(v) in (int, float) and k != "step" and ("eval" not in r or k == "eval_success")}
+    got = {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
+    assert set(got) == set(want) and len(want) > 8 * 3
+    assert all(math.isclose(got[k], want[k], rel_tol=1e-6, abs_tol=1e-6) for k in want)
 
 
-def test_bad_arguments_fail_clearly(capsys):
+def test_bad_arguments_fail_clearly(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         mgrpo.parse_args(["--group-size", "1"])
     assert "--group-size must be >= 2" in capsys.readouterr().err
@@ -79,12 +91,19 @@ def test_bad_arguments_fail_clearly(capsys):
                       (["--sft-levels", "1,x"], "--sft-levels and --train-levels must list levels"),
                       (["--train-levels", "2,"], "--sft-levels and --train-levels must list levels"),
                       (["--train-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
-                      (["--sft-until", "1.5"], "--sft-until is a success rate"),
+                      (["--sft-until", "1.5"], "--sft-until and --sft-bare are shares"),
+                      (["--sft-bare", "-0.1"], "--sft-until and --sft-bare are shares"),
+                      (["--report-to", "mlflow"], "--report-to must be tensorboard or wandb"),
                       (["--sft-until", "0.9", "--role", "sub", "--store", "s"], "it needs --role both"),
                       (["--sft-until", "0.9", "--sft-steps", "0"], "it needs --sft-steps > 0")]:
         with pytest.raises(SystemExit):
             mgrpo.parse_args(argv)
         assert msg in capsys.readouterr().err
+    real = importlib.util.find_spec  # an optional logger not installed: said before anything runs
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(SystemExit):
+        mgrpo.parse_args(["--report-to", "tensorboard"])
+    assert "needs its package: pip install tensorboard" in capsys.readouterr().err
 
 
 def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,135 @@
+"""--lora-rank: a frozen base and an adapter per agent (peft). Only the adapters train, sampling and
+scoring agree with the adapters on, the KL reference is the base with the adapter off, one base can
+serve both agents, and a LoRA run saves, resumes and loads back with peft alone."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import helpers
+import mgrpo
+import toy_tools
+from agents import Traj, add_adapter, prompt_ids, share_base
+from sampling import collate, generate, token_logprobs
+
+CHAT = ["--chat", "--model-size", "0.1M", "--sft-steps", "0", "--max-new-tokens", "12", "--lora-rank", "4"]
+SHORT = ["--steps", "4", "--sft-steps", "60", "--sft-lr", "3e-3", "--questions-per-step", "4", "--group-size", "4",
+         "--eval-questions", "8", "--eval-every", "2", "--lora-rank", "4", "--lr", "3e-3"]
+
+
+def adapted(args, seed=0, name=""):
+    """An agent with a LoRA adapter whose B matrices are random (peft starts them at 0, a no-op)."""
+    agent = helpers.load_agent(name, args, seed)
+    add_adapter(agent, args, name or "built-in-test")
+    g = torch.Generator().manual_seed(seed)
+    for n, p in agent.model.named_parameters():
+        if "lora_B" in n:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return agent
+
+
+def sampled_trajs(agent, n=4):
+    ctx = [prompt_ids(agent, "sub", f"city of {p}") for p in toy_tools.PERSONS[:n]]
+    outs = generate(agent, ctx, agent.max_new, seed=3)
+    return [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(ctx, outs)]
+
+
+def test_only_the_adapter_trains_and_the_sampled_logprobs_are_the_scored_ones():
+    args = mgrpo.parse_args(CHAT)
+    agent = adapted(args)
+    frozen = {n: p.detach().clone() for n, p in agent.model.named_parameters() if not p.requires_grad}
+    trained = {n: p.detach().clone() for n, p in agent.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained) and all(p.dtype == torch.float32 for p in trained.values())
+    assert sum(p.numel() for g in agent.opt.param_groups for p in g["params"]) == sum(p.numel() for p in trained.values())
+    trajs = sampled_trajs(agent)
+    ids, attn, mask, old = collate(trajs, agent.pad_id, "cpu")
+    with torch.no_grad():
+        lp = token_logprobs(agent.model, ids, attn)
+    assert mask.sum() > 8 and (lp - old)[mask.bool()].abs().max() < 1e-5
+    mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]), args)
+    now = dict(agent.model.named_parameters())
+    assert all(torch.equal(now[n], p) for n, p in frozen.items())
+    assert all(not torch.equal(now[n], p) for n, p in trained.items() if "lora_A" in n)
+
+
+def test_the_kl_reference_is_the_base_with_the_adapter_off(monkeypatch):
+    args = mgrpo.parse_args(CHAT + ["--kl-coef", "0.1"])
+    plain = helpers.load_agent("", args, 0)
+    agent = adapted(args)
+    trajs = sampled_trajs(agent)
+    ids, attn, mask, _ = collate(trajs, agent.pad_id, "cpu")
+    with torch.no_grad():
+        want = token_logprobs(plain.model, ids, attn, mask)
+        on = token_logprobs(agent.model, ids, attn, mask)
+    seen = []
+    real = mgrpo.policy_loss
+    monkeypatch.setattr(mgrpo, "policy_loss", lambda *a: seen.append(a[7]) or real(*a))
+    mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]), args)
+    assert agent.ref is None and (seen[0] - want).abs().max() < 1e-5 and (on - want).abs().max() > 1e-2
+
+
+def test_one_base_two_adapters_and_one_update_leaves_the_other_agent_alone(tmp_path):
+    args = mgrpo.parse_args(CHAT)
+    base = helpers.load_agent("", args, 0)
+    base.model.save_pretrained(tmp_path)
+    base.tok.save_pretrained(tmp_path)
+    agents = {"main": adapted(args, 1, str(tmp_path)), "sub": adapted(args, 2, str(tmp_path))}
+    share_base(agents)
+    mp, sp = dict(agents["main"].model.named_parameters()), dict(agents["sub"].model.named_parameters())
+    assert all((mp[n] is p) == (not p.requires_grad) for n, p in sp.items())  # the base once, adapters twice
+    trajs = sampled_trajs(agents["sub"])
+    ids, attn, mask, _ = collate(trajs, agents["sub"].pad_id, "cpu")
+    with torch.no_grad():
+        sub_before, main_before = (token_logprobs(agents[n].model, ids, attn) for n in ("sub", "main"))
+    mgrpo.update_agent(agents["main"], trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]), args)
+    with torch.no_grad():
+        sub_after, main_after = (token_logprobs(agents[n].model, ids, attn) for n in ("sub", "main"))
+    assert torch.equal(sub_before, sub_after) and (main_before - main_after).abs().max() > 1e-4
+    other = {"main": adapted(args, 1, str(tmp_path)), "sub": adapted(args, 2)}  # another base
+    with pytest.raises(ValueError, match="bases differ"):
+        share_base(other)
+    out = str(tmp_path / "run")  # and a run with it
+    mgrpo.main(["--main-model", str(tmp_path), "--sub-model", str(tmp_path), "--share-base", "--steps", "1",
+                "--questions-per-step", "2", "--group-size", "2", "--eval-questions", "2", "--eval-every", "0",
+                "--max-new-tokens", "12", "--lora-rank", "4", "--out", out])
+    assert os.path.isfile(os.path.join(out, "sub", "adapter_model.safetensors"))
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("t_") and "per_s" not in k}
+                for line in f]
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_as_if_never_stopped_and_loads_with_peft_alone(tmp_path, monkeypatch):
+    from peft import AutoPeftModelForCausalLM
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    mgrpo.main(SHORT + ["--out", whole])
+    real = mgrpo.train_step
+
+    def killed_at_step_3(*a, **kw):
+        if a[2] == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(mgrpo, "train_step", killed_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        mgrpo.main(SHORT + ["--out", cut])
+    monkeypatch.undo()
+    mgrpo.main(SHORT + ["--out", cut, "--resume"])
+    assert metrics(cut) == metrics(whole) and len(metrics(whole)) == 4 + 5
+    assert sorted(os.listdir(os.path.join(whole, "base"))) == ["main", "sub"]
+    args = mgrpo.parse_args(SHORT)
+    for n in ("main", "sub"):
+        agent = helpers.load_agent(os.path.join(whole, n), args)  # as a checkpoint is loaded
+        peft_alone = AutoPeftModelForCausalLM.from_pretrained(os.path.join(whole, n))
+        ids = torch.tensor([prompt_ids(agent, n, "country of ada ?")])
+        with torch.no_grad():
+            assert torch.allclose(agent.model(ids).logits, peft_alone(ids).logits, atol=1e-6)
+        trained = [p for name, p in agent.model.named_parameters() if "lora_B" in name]
+        assert trained and all(p.requires_grad for p in trained) and any(p.abs().max() > 0 for p in trained)
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(whole, "base", n)).state_dict()
+        frozen = {k.replace("base_layer.", ""): p for k, p in agent.model.named_parameters() if not p.requires_grad}
+        assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base)

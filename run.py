@@ -342,7 +342,7 @@ def print_plan(args, agents, out):
         longest = len(prompt_ids(a, kind, "x" * 40)) + turns * (a.max_new + obs)
         rows = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)
         static, act, mb, T = memory_estimate(a, longest, rows, args.micro_batch, args.grad_checkpointing,
-                                             args.kl_coef > 0)
+                                             args.kl_coef > 0, sampled=turns * a.max_new)
         print(f"memory estimate, {n}: {static + act:.2f} GiB = {static:.2f} weights, grads, AdamW"
               + (", reference" if args.kl_coef else "") + f" + {act:.2f} one micro-batch ({mb} x up to {T} tokens;"
               " --micro-batch and --grad-checkpointing lower it)", flush=True)
@@ -354,14 +354,16 @@ def print_plan(args, agents, out):
               "--max-new-tokens change them)", flush=True)
 
 
-def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False, reference=False):
+def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False, reference=False, sampled=None):
     """A rough estimate of one agent's training memory in GiB: fp32 weights, grads and AdamW states at
     16 bytes a parameter (plus the reference), and one micro-batch of `rows` contexts of `tokens`:
-    activations (~34 h bytes a layer and token in 16 bits, ~2 h kept with checkpointing), logits +
-    their fp32 log-softmax + its gradient (~10-12 bytes a vocabulary entry).
+    activations (~34 h bytes a layer and token in 16 bits, ~2 h kept with checkpointing), and at
+    the `sampled` tokens of a row (default: all), which alone reach the head, the logits + their fp32
+    log-softmax + its gradient (~10-12 bytes a vocabulary entry).
     Returns (weights and optimizer, one micro-batch, its rows, its tokens per row)."""
     cfg = getattr(agent.model.config, "text_config", agent.model.config)
-    mb = min(micro_batch or rows, rows)
+    mb, sampled = min(micro_batch or rows, rows), min(tokens, sampled or tokens)
     act = cfg.num_hidden_layers * cfg.hidden_size * (2 if grad_checkpointing else 34) * (1 if agent.bf16 else 2)
     static = sum(p.numel() for p in agent.model.parameters()) * (16 + (2 if agent.bf16 else 4) * reference)
-    return static / 2 ** 30, mb * tokens * (act + (10 if agent.bf16 else 12) * cfg.vocab_size) / 2 ** 30, mb, tokens
+    head = sampled * (10 if agent.bf16 else 12) * cfg.vocab_size
+    return static / 2 ** 30, mb * (tokens * act + head) / 2 ** 30, mb, tokens

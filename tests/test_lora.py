@@ -15,8 +15,8 @@ from agents import Traj, add_adapter, prompt_ids, share_base
 from sampling import collate, generate, token_logprobs
 
 CHAT = ["--chat", "--model-size", "0.1M", "--sft-steps", "0", "--max-new-tokens", "12", "--lora-rank", "4"]
-SHORT = ["--steps", "4", "--sft-steps", "60", "--sft-lr", "3e-3", "--questions-per-step", "4", "--group-size", "4",
-         "--eval-questions", "8", "--eval-every", "2", "--lora-rank", "4", "--lr", "3e-3"]
+SHORT = ["--steps", "4", "--questions-per-step", "4", "--group-size", "4", "--eval-questions", "8",
+         "--eval-every", "2", "--lora-rank", "4", "--lr", "3e-3"]
 
 
 def adapted(args, seed=0, name=""):
@@ -103,11 +103,32 @@ def metrics(out):
                 for line in f]
 
 
-@pytest.mark.slow
-def test_a_lora_run_resumes_as_if_never_stopped_and_loads_with_peft_alone(tmp_path, monkeypatch):
+def test_a_built_base_is_saved_and_the_final_adapters_load_with_peft_alone(tmp_path):
+    """Models built here train whole in the cold start; their adapters come after it, over a base saved
+    to <out>/base, which the adapters name: the final save loads with peft alone, the base unchanged."""
     from peft import AutoPeftModelForCausalLM
+    out = str(tmp_path / "run")
+    mgrpo.main(["--steps", "1", "--sft-steps", "5", "--questions-per-step", "2", "--group-size", "2",
+                "--eval-questions", "2", "--eval-every", "0", "--lora-rank", "4", "--out", out])
+    args = mgrpo.parse_args(["--lora-rank", "4"])
+    for n in ("main", "sub"):
+        agent = helpers.load_agent(os.path.join(out, n), args)  # as a checkpoint is loaded
+        peft_alone = AutoPeftModelForCausalLM.from_pretrained(os.path.join(out, n))
+        ids = torch.tensor([prompt_ids(agent, n, "country of ada ?")])
+        with torch.no_grad():
+            assert torch.allclose(agent.model(ids).logits, peft_alone(ids).logits, atol=1e-6)
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "base", n)).state_dict()
+        frozen = {k.replace("base_layer.", ""): p for k, p in agent.model.named_parameters() if not p.requires_grad}
+        assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base)
+        assert all("lora_" in k for k, p in agent.model.named_parameters() if p.requires_grad)
+
+
+def test_a_lora_run_resumes_as_if_never_stopped(tmp_path, monkeypatch, cold_start_dir):
+    """Over given bases (the trained cold start): killed after step 2 and resumed, the same metrics as
+    a run never stopped, and the adapters trained."""
+    given = ["--main-model", cold_start_dir["main"], "--sub-model", cold_start_dir["sub"]]
     whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
-    mgrpo.main(SHORT + ["--out", whole])
+    mgrpo.main(SHORT + given + ["--out", whole])
     real = mgrpo.train_step
 
     def killed_at_step_3(*a, **kw):
@@ -116,20 +137,10 @@ def test_a_lora_run_resumes_as_if_never_stopped_and_loads_with_peft_alone(tmp_pa
         return real(*a, **kw)
     monkeypatch.setattr(mgrpo, "train_step", killed_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        mgrpo.main(SHORT + ["--out", cut])
+        mgrpo.main(SHORT + given + ["--out", cut])
     monkeypatch.undo()
-    mgrpo.main(SHORT + ["--out", cut, "--resume"])
+    mgrpo.main(SHORT + given + ["--out", cut, "--resume"])
     assert metrics(cut) == metrics(whole) and len(metrics(whole)) == 4 + 5
-    assert sorted(os.listdir(os.path.join(whole, "base"))) == ["main", "sub"]
-    args = mgrpo.parse_args(SHORT)
-    for n in ("main", "sub"):
-        agent = helpers.load_agent(os.path.join(whole, n), args)  # as a checkpoint is loaded
-        peft_alone = AutoPeftModelForCausalLM.from_pretrained(os.path.join(whole, n))
-        ids = torch.tensor([prompt_ids(agent, n, "country of ada ?")])
-        with torch.no_grad():
-            assert torch.allclose(agent.model(ids).logits, peft_alone(ids).logits, atol=1e-6)
-        trained = [p for name, p in agent.model.named_parameters() if "lora_B" in name]
-        assert trained and all(p.requires_grad for p in trained) and any(p.abs().max() > 0 for p in trained)
-        base = AutoModelForCausalLM.from_pretrained(os.path.join(whole, "base", n)).state_dict()
-        frozen = {k.replace("base_layer.", ""): p for k, p in agent.model.named_parameters() if not p.requires_grad}
-        assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base)
+    assert not os.path.exists(os.path.join(whole, "base"))  # given bases are named, not copied
+    agent = helpers.load_agent(os.path.join(whole, "sub"), mgrpo.parse_args(SHORT + given))
+    assert max(p.abs().max() for n, p in agent.model.named_parameters() if "lora_B" in n) > 0

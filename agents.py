@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -214,9 +215,11 @@ def add_adapter(agent, args, base):
     if args.dtype == "bfloat16":
         agent.model.to(torch.bfloat16)
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-    agent.peft = get_peft_model(agent.model, LoraConfig(  # adapters in fp32: peft's autocast_adapter_dtype
-        r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
-        target_modules=targets))
+    with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in 5.x
+        warnings.simplefilter("ignore", FutureWarning)
+        agent.peft = get_peft_model(agent.model, LoraConfig(  # adapters in fp32: peft's autocast_adapter_dtype
+            r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
+            target_modules=targets))
     agent.peft.peft_config["default"].base_model_name_or_path = base
     agent.model = agent.peft.get_base_model()  # the model itself, its linear layers now with adapters
     old = agent.opt.defaults
@@ -232,7 +235,10 @@ def load_adapter(path, args):
     if not isinstance(base, str) or not base:
         raise ValueError(f"{path}: the adapter's config names no base model")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), path, is_trainable=True)
+    with warnings.catch_warnings():  # as in add_adapter
+        warnings.simplefilter("ignore", FutureWarning)
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), path,
+                                         is_trainable=True)
     return peft.get_base_model(), peft
 
 

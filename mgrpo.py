@@ -84,9 +84,9 @@ class Args:
     loss_agg: str = arg("seq-mean", "seq-mean: over each row's tokens, then over rows; token-mean")
     grad_clip: float = arg(1.0, "max gradient norm per agent")
     kl_coef: float = arg(0.0, "k3 KL to a frozen copy of each agent as RL starts (0, as the paper)")
-    lora_rank: int = arg(0, "LoRA: each agent's base frozen, an adapter of this rank trained; 0: all")
-    lora_alpha: float = arg(0.0, "LoRA's alpha (the update is scaled by alpha / rank); 0: 2 x rank")
-    lora_targets: str = arg("all-linear", "LoRA's modules: all-linear, or names, e.g. q_proj,v_proj")
+    lora_rank: int = arg(0, "LoRA: the base frozen, an adapter of this rank per agent; 0: no LoRA")
+    lora_alpha: float = arg(0.0, "LoRA's alpha (updates scaled by alpha / rank); 0: 2 x rank")
+    lora_targets: str = arg("all-linear", "LoRA's modules: all-linear, or names: q_proj,v_proj")
     share_base: bool = arg(False, "LoRA, both agents in one process: one frozen base, two adapters")
     w_main_format: float = arg(0.1, "eq. 4: R_M = w r_format + (1 - w) r_correct, format valid")
     w_sub: tuple = arg((0.1, 0.4, 0.5), "eq. 5: weights of r_format, r_correct_main, r_expert")
@@ -126,8 +126,8 @@ class Args:
     resume: bool = arg(False, "continue from the last checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds a run: its checkpoints go")
     save_every: int = arg(1, "checkpoint every N steps (and after each evaluation)")
-    report_to: str = arg("", "also log metrics.jsonl's numbers to 'tensorboard' (<out>/tb) or 'wandb' "
-                         "(WANDB_MODE=offline needs no network); each an optional install")
+    report_to: str = arg("", "also log metrics.jsonl's numbers to 'tensorboard' (<out>/tb) or "
+                         "'wandb' (WANDB_MODE=offline needs no network); optional installs")
 
 
 # =========================================================================================

@@ -3,8 +3,10 @@
 A model with Qwen2.5-0.5B-Instruct's configuration is built in code with random weights (the hub
 cannot be reached from the machines this was measured on; the shape is what sets the memory). Each
 setting runs in a process of its own: build the model and its AdamW, then one step (the policy's
-log-probs, backward, AdamW). The peak resident memory of the process (ru_maxrss) is printed with
-the time of the step, for the loss mask's two ways of scoring:
+log-probs, backward, AdamW), after a first step on 8 tokens that allocates AdamW's states, as any
+step after a run's first has them. The peak resident memory of the process (ru_maxrss) is printed
+with the time of the step and the estimate that mgrpo prints at start-up (run.memory_estimate), for the
+loss mask's two ways of scoring:
 
 - whole: the head and log-softmax at every position (what token_logprobs did before it took a mask)
 - masked: the head only where the loss reads a log-prob (mask 1: the sampled tokens)
@@ -25,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from agents import Agent  # noqa: E402
+from run import memory_estimate  # noqa: E402
 from sampling import token_logprobs  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -43,13 +47,18 @@ def one(a):
     attn = torch.ones_like(ids)
     mask = torch.zeros_like(ids)
     mask[:, -a.sampled:] = 1  # the sampled turn at the end of each row
-    t0 = time.time()
-    lp = token_logprobs(model, ids, attn, mask if a.mode == "masked" else None)
-    loss = -(lp * mask).sum() / mask.sum()
-    loss.backward()
-    opt.step()
+    for rows in (ids[:1, :8], ids):  # a first step on 8 tokens allocates AdamW's states, as in a run
+        t0 = time.time()
+        lp = token_logprobs(model, rows, attn[:len(rows), :rows.shape[1]],
+                            mask[:len(rows), -rows.shape[1]:] if a.mode == "masked" else None)
+        loss = -(lp * mask[:len(rows), -rows.shape[1]:]).sum() / mask.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    return {"peak_gib": peak / 2 ** 30, "step_s": time.time() - t0,
+    static, batch, _, _ = memory_estimate(Agent(model, None), a.tokens, a.rows,
+                                          sampled=a.sampled if a.mode == "masked" else None)
+    return {"peak_gib": peak / 2 ** 30, "step_s": time.time() - t0, "estimate_gib": static + batch,
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -72,9 +81,17 @@ def main():
     for mode in ("whole", "masked"):
         argv = [sys.executable, __file__, "--mode", mode] + [f"--{k}={getattr(a, k)}" for k in
                                                              ("rows", "tokens", "sampled", "layers", "threads")]
-        res[mode] = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
-        print(f"  {mode:6s}: peak {res[mode]['peak_gib']:.2f} GiB, step {res[mode]['step_s']:.1f}s "
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:  # -9: killed, on Linux most likely by the kernel's out-of-memory killer
+            print(f"  {mode:6s}: the process ended with code {done.returncode} "
+                  f"({'killed: out of memory?' if done.returncode == -9 else done.stderr[-500:]})")
+            continue
+        res[mode] = json.loads(done.stdout)
+        print(f"  {mode:6s}: peak {res[mode]['peak_gib']:.2f} GiB (mgrpo's start-up estimate "
+              f"{res[mode]['estimate_gib']:.2f}), step {res[mode]['step_s']:.1f}s "
               f"({res[mode]['params'] / 1e6:.0f}M params)", flush=True)
+    if len(res) < 2:
+        return
     saved = res["whole"]["peak_gib"] - res["masked"]["peak_gib"]
     print(f"  the head only where the loss reads it: {saved:.2f} GiB less at peak "
           f"({saved * 2 ** 30 / (a.rows * (a.tokens - a.sampled)) / 1e6:.2f} MB per unscored token)")

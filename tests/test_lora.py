@@ -144,3 +144,16 @@ def test_a_lora_run_resumes_as_if_never_stopped(tmp_path, monkeypatch, cold_star
     assert not os.path.exists(os.path.join(whole, "base"))  # given bases are named, not copied
     agent = helpers.load_agent(os.path.join(whole, "sub"), mgrpo.parse_args(SHORT + given))
     assert max(p.abs().max() for n, p in agent.model.named_parameters() if "lora_B" in n) > 0
+
+
+@pytest.mark.parametrize("config", ["{not json", '{"peft_type": "LORA", "base_model_name_or_path": 7}', "[]"])
+def test_a_garbage_adapter_config_is_an_error_not_a_crash_of_the_interpreter(tmp_path, config):
+    """A checkpoint folder's adapter_config.json can hold anything: loading it raises (and a resume then
+    tries the checkpoint before), it never runs code or loads some other model."""
+    args = mgrpo.parse_args(CHAT)
+    agent = helpers.load_agent("", args)
+    agent.tok.save_pretrained(tmp_path)
+    (tmp_path / "adapter_config.json").write_text(config)
+    with pytest.raises(Exception) as e:
+        helpers.load_agent(str(tmp_path), args)
+    assert not isinstance(e.value, (SystemExit, KeyboardInterrupt))

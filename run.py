@@ -335,6 +335,7 @@ def print_plan(args, agents, out):
     print(f"M-GRPO | role {args.role} | {sizes} | {args.mode} K={args.group_size} D={args.max_sub} "
           f"level={args.level} device={args.device} {args.dtype}" + (" unsync" if args.unsync else "")
           + f" | out: {out}", flush=True)
+    total = 0.0
     for n, a in agents.items():
         kind = agent_kinds(args)[n]
         obs = 30 if kind == "main" else (args.visit_max_chars // 3 if a.chat else 60)  # tokens per tool result
@@ -342,10 +343,15 @@ def print_plan(args, agents, out):
         longest = len(prompt_ids(a, kind, "x" * 40)) + turns * (a.max_new + obs)
         rows = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)
         static, act, mb, T = memory_estimate(a, longest, rows, args.micro_batch, args.grad_checkpointing,
-                                             args.kl_coef > 0, sampled=turns * a.max_new)
+                                             args.kl_coef > 0, sampled=turns * a.max_new, lora=args.lora_rank)
+        total += static + act
         print(f"memory estimate, {n}: {static + act:.2f} GiB = {static:.2f} weights, grads, AdamW"
-              + (", reference" if args.kl_coef else "") + f" + {act:.2f} one micro-batch ({mb} x up to {T} tokens;"
-              " --micro-batch and --grad-checkpointing lower it)", flush=True)
+              + (" (a frozen base, LoRA adapters)" if args.lora_rank else "")
+              + (", reference" if args.kl_coef and not args.lora_rank else "") + f" + {act:.2f} one micro-batch "
+              f"({mb} x up to {T} tokens; --micro-batch and --grad-checkpointing lower it)", flush=True)
+    room = device_gib(args.device)
+    print(f"memory estimate of this process: {total:.2f} GiB of the {room:.1f} GiB that {args.device} has: "
+          + ("fits" if total <= 0.9 * room else "may not fit"), flush=True)
     given = {"main": args.main_model, "sub": args.sub_model}
     if any(given[n] for n in agents):
         print("a model given by name or path: " + ("no cold start" if args.sft_steps == -1 else
@@ -354,16 +360,34 @@ def print_plan(args, agents, out):
               "--max-new-tokens change them)", flush=True)
 
 
-def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False, reference=False, sampled=None):
-    """A rough estimate of one agent's training memory in GiB: fp32 weights, grads and AdamW states at
-    16 bytes a parameter (plus the reference), and one micro-batch of `rows` contexts of `tokens`:
-    activations (~34 h bytes a layer and token in 16 bits, ~2 h kept with checkpointing), and at
-    the `sampled` tokens of a row (default: all), which alone reach the head, the logits + their fp32
-    log-softmax + its gradient (~10-12 bytes a vocabulary entry).
+def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False, reference=False, sampled=None,
+                    lora=0):
+    """A rough estimate of one agent's training memory in GiB: weights, grads and AdamW states at 16
+    bytes a trained parameter (fp32), a frozen one at its own size (LoRA's base: `lora` = the rank
+    to come, or adapters in place), plus --kl-coef's reference (none with LoRA); and one micro-batch
+    of `rows` contexts of `tokens`: activations (~34 h bytes a layer and token in 16 bits, ~2 h kept
+    with checkpointing), and at the `sampled` tokens of a row (default: all), which alone reach the
+    head, the logits + their fp32 log-softmax + its gradient (~10-12 bytes a vocabulary entry).
     Returns (weights and optimizer, one micro-batch, its rows, its tokens per row)."""
     cfg = getattr(agent.model.config, "text_config", agent.model.config)
     mb, sampled = min(micro_batch or rows, rows), min(tokens, sampled or tokens)
     act = cfg.num_hidden_layers * cfg.hidden_size * (2 if grad_checkpointing else 34) * (1 if agent.bf16 else 2)
-    static = sum(p.numel() for p in agent.model.parameters()) * (16 + (2 if agent.bf16 else 4) * reference)
+    params = list(agent.model.parameters())
+    n, half = sum(p.numel() for p in params), 2 if agent.bf16 else 4
+    if agent.peft:
+        static = sum(p.numel() * (16 if p.requires_grad else p.element_size()) for p in params)
+    elif lora:  # adapters on every linear layer but the head (all-linear: an upper bound for fewer)
+        head = agent.model.get_output_embeddings()
+        linear = [m for m in agent.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        static = n * half + 16 * lora * sum(m.in_features + m.out_features for m in linear)
+    else:
+        static = n * (16 + half * reference)
     head = sampled * (10 if agent.bf16 else 12) * cfg.vocab_size
     return static / 2 ** 30, mb * (tokens * act + head) / 2 ** 30, mb, tokens
+
+
+def device_gib(device):
+    """The memory of the device a run trains on, in GiB: a GPU's, or the machine's RAM."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory / 2 ** 30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30

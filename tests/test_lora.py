@@ -157,3 +157,18 @@ def test_a_garbage_adapter_config_is_an_error_not_a_crash_of_the_interpreter(tmp
     with pytest.raises(Exception) as e:
         helpers.load_agent(str(tmp_path), args)
     assert not isinstance(e.value, (SystemExit, KeyboardInterrupt))
+
+
+def test_the_start_up_estimate_counts_the_adapters_to_come():
+    """Printed before the adapters exist, the estimate for --lora-rank equals the one for the agent with
+    its adapters in place: the frozen base at its size, 16 bytes a trained parameter, no reference."""
+    from run import memory_estimate
+    args = mgrpo.parse_args(CHAT + ["--kl-coef", "0.1"])
+    agent = helpers.load_agent("", args)
+    full = memory_estimate(agent, 100, 4, reference=True)[0]
+    before = memory_estimate(agent, 100, 4, reference=True, lora=4)[0]
+    add_adapter(agent, args, "built-in-test")
+    after = memory_estimate(agent, 100, 4, reference=True)[0]
+    adapters = sum(p.numel() for p in agent.model.parameters() if p.requires_grad)
+    assert before == after and after * 2 ** 30 == 4 * (sum(p.numel() for p in agent.model.parameters()) - adapters) \
+        + 16 * adapters and after < full

@@ -353,9 +353,10 @@ def update_agent(agent, trajs, adv, args):
     ref = None
     if args.kl_coef:  # the frozen reference's log-probs, once per batch: a copy, or LoRA's base
         off = agent.peft.disable_adapter() if agent.peft else contextlib.nullcontext()
+        model = agent.model if agent.ref is None else agent.ref
         with torch.no_grad(), agent.autocast(), off:
-            ref = torch.cat([token_logprobs(agent.ref or agent.model, ids[s:s + mb], attn[s:s + mb],
-                                            mask[s:s + mb]) for s in range(0, len(trajs), mb)])
+            ref = torch.cat([token_logprobs(model, ids[s:s + mb], attn[s:s + mb], mask[s:s + mb])
+                             for s in range(0, len(trajs), mb)])
     acc = {"clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "t_fwd": 0.0, "t_bwd": 0.0,
            "skipped": 0}
     agent.model.train(args.grad_checkpointing)  # recomputing needs train mode (no dropout: checked)

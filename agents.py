@@ -8,6 +8,7 @@ trained on are exactly the ids sampled. A message's ids are cut from a render in
 turn precedes it: templates render a message alone with a default system prompt (Qwen2.5), or render
 the last assistant turn differently (Qwen3).
 """
+import contextlib
 import functools
 import json
 import os
@@ -192,8 +193,7 @@ def load_agent(name, args, task, seed=0, lr=None):
     eos = model.generation_config.eos_token_id
     stop = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     chat = tok.chat_template != WORD_TEMPLATE
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr or args.lr, betas=(0.9, 0.98),
-                            weight_decay=args.weight_decay)
+    opt = adamw(model, lr or args.lr, args.weight_decay)
     return Agent(model, tok, opt, peft=peft, stop_ids=tuple(sorted(stop)),
                  suppress=tuple(sorted({tok.pad_token_id, tok.unk_token_id} - stop - {None})),
                  pad_id=tok.pad_token_id if tok.pad_token_id is not None else min(stop),
@@ -215,16 +215,27 @@ def add_adapter(agent, args, base):
     if args.dtype == "bfloat16":
         agent.model.to(torch.bfloat16)
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-    with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in 5.x
-        warnings.simplefilter("ignore", FutureWarning)
+    with quiet_peft():
         agent.peft = get_peft_model(agent.model, LoraConfig(  # adapters in fp32: peft's autocast_adapter_dtype
             r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
             target_modules=targets))
     agent.peft.peft_config["default"].base_model_name_or_path = base
     agent.model = agent.peft.get_base_model()  # the model itself, its linear layers now with adapters
-    old = agent.opt.defaults
-    agent.opt = torch.optim.AdamW([p for p in agent.model.parameters() if p.requires_grad], lr=old["lr"],
-                                  betas=old["betas"], weight_decay=old["weight_decay"])
+    agent.opt = adamw(agent.model, agent.opt.defaults["lr"], agent.opt.defaults["weight_decay"])
+
+
+def adamw(model, lr, weight_decay):
+    """An agent's own AdamW, over the parameters it trains (with LoRA: the adapter's)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.98),
+                             weight_decay=weight_decay)
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """peft reads a transformers attribute deprecated in 5.x: its FutureWarning is not the user's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
 
 
 def load_adapter(path, args):
@@ -235,8 +246,7 @@ def load_adapter(path, args):
     if not isinstance(base, str) or not base:
         raise ValueError(f"{path}: the adapter's config names no base model")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    with warnings.catch_warnings():  # as in add_adapter
-        warnings.simplefilter("ignore", FutureWarning)
+    with quiet_peft():
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), path,
                                          is_trainable=True)
     return peft.get_base_model(), peft

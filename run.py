@@ -365,13 +365,17 @@ def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False
     """A rough estimate of one agent's training memory in GiB: weights, grads and AdamW states at 16
     bytes a trained parameter (fp32), a frozen one at its own size (LoRA's base: `lora` = the rank
     to come, or adapters in place), plus --kl-coef's reference (none with LoRA); and one micro-batch
-    of `rows` contexts of `tokens`: activations (~34 h bytes a layer and token in 16 bits, ~2 h kept
-    with checkpointing), and at the `sampled` tokens of a row (default: all), which alone reach the
-    head, the logits + their fp32 log-softmax + its gradient (~10-12 bytes a vocabulary entry).
-    Returns (weights and optimizer, one micro-batch, its rows, its tokens per row)."""
+    of `rows` contexts of `tokens`: activations (what a layer saves for backward, a token's 6 x hidden +
+    2 x key-value width + 4 x MLP width values, as counted on Qwen2; with checkpointing each layer keeps
+    its input and one layer is recomputed at a time), and at the `sampled` tokens of a row (default:
+    all), which alone reach the head, the logits + their fp32 log-softmax + its gradient (~10-12 bytes
+    a vocabulary entry). Returns (weights and optimizer, one micro-batch, its rows, its tokens per row)."""
     cfg = getattr(agent.model.config, "text_config", agent.model.config)
     mb, sampled = min(micro_batch or rows, rows), min(tokens, sampled or tokens)
-    act = cfg.num_hidden_layers * cfg.hidden_size * (2 if grad_checkpointing else 34) * (1 if agent.bf16 else 2)
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads)
+    layer = 6 * h + 2 * kv + 4 * cfg.intermediate_size
+    act = (L * h + layer if grad_checkpointing else L * layer) * (2 if agent.bf16 else 4)
     params = list(agent.model.parameters())
     n, half = sum(p.numel() for p in params), 2 if agent.bf16 else 4
     if agent.peft:

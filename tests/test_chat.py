@@ -188,15 +188,25 @@ def test_chat_two_processes(chat_dir, tmp_path):
 
 
 def test_gpu_check_script_dry_run_on_cpu(tmp_path):
-    """The GPU check's whole path (build, cold start, two processes, figures) on a CPU."""
+    """The GPU check's whole path on a CPU: build, cold start, the two-process run full and with
+    LoRA, the samplers side by side (no graphs on a CPU), memory at a tiny shape, the report."""
+    report = tmp_path / "report.md"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--device", "cpu",
-                        "--size", "0.1M", "--steps", "2", "--sft-steps", "3", "--questions", "2",
-                        "--no-samplers", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+                        "--size", "0.1M", "--steps", "2", "--sft-steps", "3", "--questions", "2", "--shape", "tiny",
+                        "--out", str(tmp_path), "--report", str(report)], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "2 steps of the two-process run" in r.stdout and "main: training" in r.stdout
+    assert "full: 2 steps in" in r.stdout and "lora: 2 steps in" in r.stdout and "main: training" in r.stdout
     res = json.load(open(tmp_path / "gpu_check.json"))
-    assert res["main"]["train_tokens_per_s"] > 0 and res["params"]["main"] > 0
+    for run in ("full", "lora"):
+        assert res[run]["main"]["train_tokens_per_s"] > 0 and res[run]["main"]["params"] > 0
+    assert "(a frozen base, LoRA adapters)" in res["lora"]["main"]["estimate"]
+    assert res["graphs"]["greedy"]["same_rows"] == 1.0  # eager against eager on a CPU: must agree exactly
+    assert res["samplers"]["hf"] > 0 and res["samplers"]["eager"] > 0
+    mem = res["memory"]
+    assert mem["lora"]["trained"] < mem["masked"]["trained"] / 10 and mem["lora"]["peak_gib"] > 0
+    text = report.read_text()
+    assert "## The two-process run" in text and "| lora |" in text and "| eager |" in text
 
 
 def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypatch):

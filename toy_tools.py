@@ -290,16 +290,24 @@ def main_demo(q, rng, p, single=False, chat=False):
     the same chain with the searches inlined; it reads every whole result list in its own context.
     chat=True: turns as chat models write them."""
     kb = knowledge_base(q.seed, q.level)
-    x = q.text.split()[-2]
+    x, thought = q.text.split()[-2], ""
     msgs = [{"role": "user", "content": q.text}]
     for rel in chain(q.level):
         x = _noisy(rng, x, RELATIONS[rel][1], p)
         act = action_text("search", x, chat) if single else action_text("call", f"{rel} of {x}", chat)
         obs = search_observation(search_results(q.seed, q.level, x), chat) if single else kb[(rel, x)]
-        msgs += [{"role": "assistant", "content": act}, {"role": "tool", "content": obs}]
+        msgs += [{"role": "assistant", "content": thought + act}, {"role": "tool", "content": obs}]
+        thought = quote(fact_text(rel, x, kb[(rel, x)])) if single and chat else ""
         x = kb[(rel, x)]
-    msgs.append({"role": "assistant", "content": action_text("answer", _noisy(rng, x, COUNTRIES, p), chat)})
+    msgs.append({"role": "assistant", "content": thought + action_text("answer", _noisy(rng, x, COUNTRIES, p), chat)})
     return msgs
+
+
+def quote(fact):
+    """A chat model's thought before it acts on what it read: the fact, quoted. Copying the words that
+    follow the entity in the results is a plain induction copy, which a tiny model learns early; picking
+    the one word out of the results at once, it learned late or not at all (docs/real-models.md)."""
+    return f"<think> {fact} </think>\n"
 
 
 def single_demo(q, rng, p, chat=False):
@@ -327,6 +335,7 @@ def sub_demo(q, rng, p, chat=False):
     obs = search_observation(results)
     found = re.search(rf"(?:^|; ){e} {RELATIONS[rel][0]} (\S+)", obs)
     value = found.group(1) if found else rng.choice(values)
+    thought = quote(fact_text(rel, e, value)) if chat and found else ""
     msgs = [{"role": "user", "content": f"{rel} of {e}"},
             {"role": "assistant", "content": action_text("search", query, chat)},
             {"role": "tool", "content": search_observation(results, chat)}]
@@ -334,7 +343,8 @@ def sub_demo(q, rng, p, chat=False):
     if chat and page and rng.random() < 0.3:
         msgs += [{"role": "assistant", "content": action_text("visit", page, chat)},
                  {"role": "tool", "content": ToySearch().visit(page, allowed=[r["url"] for r in results])}]
-    return msgs + [{"role": "assistant", "content": action_text("return", _noisy(rng, value, values, p), chat)}]
+    answer = action_text("return", _noisy(rng, value, values, p), chat)
+    return msgs + [{"role": "assistant", "content": thought + answer}]
 
 
 if __name__ == "__main__":

@@ -183,3 +183,26 @@ def test_noisy_demos_are_noisy_and_in_vocabulary():
     assert 0.55 < sum(right) / len(right) < 0.85  # about a third of the demos end wrong
     assert all(tt.answer_correct(q, tt.main_demo(q, rng, 0.0)[-1]["content"].split()[1])
                for q in [tt.make_question(s, 2) for s in range(20)])
+
+
+def test_chat_demos_quote_the_fact_they_read_before_acting_on_it():
+    """A chat sub-agent's (and single agent's) demo thinks the fact it read, as it stands in the tool
+    message before, then acts on its value; the turn still parses to that action. Word-level demos
+    and the main agent's, which reads one word back, have no thought."""
+    quoted = 0
+    for s in range(60):
+        q, rng = tt.make_question(s, 1 + s % 3), random.Random(s)
+        for kind in ("sub", "single", "main"):
+            msgs = tt.demo(q, rng, 0.0, kind, chat=True)
+            for before, turn in zip(msgs, msgs[1:]):
+                if turn["role"] != "assistant" or "<think>" not in turn["content"]:
+                    continue
+                assert kind != "main" and before["role"] == "tool"
+                fact = turn["content"].split("<think>")[1].split("</think>")[0].strip()
+                assert fact in before["content"]  # read, not made up
+                tag, arg = tools.parse_chat_action(turn["content"], kind)
+                assert arg == fact.split()[-1] and tag in ("search", "return", "answer")
+                quoted += 1
+        assert not any("<think>" in m["content"] for k in ("main", "sub", "single")
+                       for m in tt.demo(q, rng, 0.1, k, chat=False))
+    assert quoted > 100

@@ -16,7 +16,7 @@ Needs no download: every model is built in code.
 6. Optionally, the recorded rollout calls replayed by each sampler (scripts/bench_generate.py).
 It prints as it goes and writes a Markdown report (--report) and the figures as JSON (<out>/gpu_check.json).
 
-    python scripts/gpu_check.py                 # about 6 minutes on one H200
+    python scripts/gpu_check.py                 # not yet timed; with one two-process run it took 3 minutes on an H200
     python scripts/gpu_check.py --models runs/gpu_check/models --role-args "--grad-checkpointing"
     python scripts/gpu_check.py --device cpu --size 0.1M --steps 2 --sft-steps 3 --questions 2 \\
         --shape tiny --report /tmp/report.md  # a dry run on a CPU

@@ -244,3 +244,14 @@ def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypa
     assert tool_msgs[2].startswith("error: cannot visit") and "not among this trajectory's search results" in tool_msgs[2]
     trained = agent.tok.decode([i for i, m in zip(t.ids, t.mask) if m])
     assert trained == "".join(s + "<|im_end|>" for s in script)
+
+
+@pytest.mark.slow
+def test_the_chat_path_learns_on_a_cpu(tmp_path):
+    """A short version of the chat run in docs/real-models.md: models built by --chat, a cold start on
+    quoting demos (bare ones first), then 40 M-GRPO steps; sampled success on 64 held-out questions
+    rises (seed 1: SLOW_FIGURES)."""
+    s = mgrpo.main(["--chat", "--sft-steps", "600", "--sft-batch", "16", "--sft-bare", "0.75", "--steps", "40",
+                    "--questions-per-step", "4", "--max-new-tokens", "40", "--eval-questions", "64",
+                    "--eval-every", "0", "--out", str(tmp_path)])
+    assert s["eval_success_end"] - s["eval_success_start"] >= 0.15, s

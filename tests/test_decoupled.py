@@ -159,6 +159,19 @@ def test_two_processes_equal_one_process(reference, models, tmp_path):
         assert 0 < json.load(f)["store_share_of_step_time"] < 0.5
 
 
+def test_lora_in_two_processes_equals_one_process(models, tmp_path):
+    """--lora-rank with --role main / sub gives the one-process LoRA run step for step, each role
+    training its own adapter (S's included: its adapter's gradient is logged)."""
+    lora = ("--lora-rank", "4", "--lr", "3e-3")
+    both = str(tmp_path / "lora-both")
+    subprocess.run(_cmd("--out", both, *lora, *models), check=True, stdout=subprocess.DEVNULL, timeout=400)
+    outs, _ = _two_processes(tmp_path, "lora", *lora, *models)
+    assert _main_and_sub_rows(outs) == _rows(both)
+    with open(os.path.join(outs["sub"], "metrics.jsonl")) as f:
+        assert sum(json.loads(line).get("grad_norm_sub") or 0 for line in f) > 0
+    assert os.path.exists(os.path.join(outs["sub"], "sub", "adapter_config.json"))
+
+
 def test_unsync_is_equal_across_processes(reference, models, tmp_path):
     """--unsync in one process and in two gives the same run (that S trains on exactly the step
     before's batch is checked in test_glue.py)."""

@@ -157,8 +157,10 @@ def attach_adapters(agents, args, out):
     if own:
         save_frozen(out, "base", own)
     for n, a in agents.items():
-        with torch.random.fork_rng():  # each adapter's init from a seed of its own: in one process as in two
-            torch.manual_seed(stable_seed(args.seed, "lora", n))
+        # each adapter's init from a seed of its own, in one process as in two (peft draws it on the CPU,
+        # then moves the adapter to its base's device)
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(stable_seed(args.seed, "lora", n))
             add_adapter(a, args, os.path.abspath(os.path.join(out, "base", n)) if n in own else given[n])
     if args.share_base:
         share_base(agents)

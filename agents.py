@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tools import CHAT_TOOLS, TOOLS
@@ -99,6 +100,18 @@ def chat_tokenizer(task, vocab_size=768):
     return t
 
 
+def load_tokenizer(name):
+    """A tokenizer by name or path, encoding as it was saved. transformers rebuilds the tokenizer of a
+    known model type from its own class (a Qwen2 model's: Qwen's split of digits and spaces), not from
+    the saved pipeline; a folder whose tokenizer.json says otherwise (the --chat models') is loaded as
+    that file says, or a reloaded model would read other ids than it was trained on."""
+    tok = AutoTokenizer.from_pretrained(name)
+    path = os.path.join(name, "tokenizer.json")
+    if os.path.isfile(path) and tok.backend_tokenizer.to_str() != Tokenizer.from_file(path).to_str():
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(name)
+    return tok
+
+
 # ---------------------------------------------------------------------------------------
 # An agent: model, tokenizer, optimizer; nothing is shared with the other agent
 # ---------------------------------------------------------------------------------------
@@ -175,9 +188,9 @@ def load_agent(name, args, task, seed=0, lr=None):
     max_new_tokens, grad_checkpointing, cuda_graphs); task: the task, whose words and prompts it uses."""
     peft = None
     if name and os.path.isfile(os.path.join(name, "adapter_config.json")):  # a LoRA adapter over its base
-        tok, (model, peft) = AutoTokenizer.from_pretrained(name), load_adapter(name, args)
+        tok, (model, peft) = load_tokenizer(name), load_adapter(name, args)
     elif name:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = load_tokenizer(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)  # fp32 master weights
     else:
         tok = chat_tokenizer(task) if args.chat else word_tokenizer(task.WORDS)

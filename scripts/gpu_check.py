@@ -40,7 +40,7 @@ import bench_memory  # noqa: E402
 import mgrpo  # noqa: E402
 import sampling  # noqa: E402
 import toy_tools  # noqa: E402
-from agents import load_agent, prompt_ids  # noqa: E402
+from agents import load_agent, load_tokenizer, prompt_ids  # noqa: E402
 from cold_start import cold_start  # noqa: E402
 
 TINY = dict(bench_memory.QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -201,7 +201,7 @@ def shape_model(b, models):
     tokenizer, whose ids are all valid for it."""
     folder = os.path.join(b.out, f"shape-{b.shape}")
     if not os.path.exists(os.path.join(folder, "config.json")):
-        tok = transformers.AutoTokenizer.from_pretrained(os.path.join(models, "sub"))
+        tok = load_tokenizer(os.path.join(models, "sub"))
         cfg = TINY if b.shape == "tiny" else bench_memory.QWEN25[b.shape]
         torch.manual_seed(0)
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(

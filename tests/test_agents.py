@@ -153,6 +153,23 @@ def test_save_and_load_with_from_pretrained(tmp_path, args, agents):
     del main.model.config.final_logit_softcapping
 
 
+def test_a_saved_chat_model_reads_the_ids_it_was_trained_on(tmp_path):
+    """A --chat model saved and loaded by path (a checkpoint, a cold-start worker, a stage-2 run)
+    encodes every message as the tokenizer built in code did. transformers rebuilds a Qwen2 model's
+    tokenizer with Qwen's own split: tool results' digits and newlines came back as other ids."""
+    built = helpers.load_agent("", mgrpo.parse_args(["--chat"]), seed=0)
+    built.model.save_pretrained(tmp_path)
+    built.tok.save_pretrained(tmp_path)
+    loaded = helpers.load_agent(str(tmp_path), mgrpo.parse_args([]), seed=0)
+    assert loaded.chat and loaded.end == built.end and loaded.pad_id == built.pad_id
+    for s in range(20):
+        q = toy_tools.make_question(s, 1 + s % 3)
+        for demo in (toy_tools.main_demo, toy_tools.sub_demo, toy_tools.single_demo):
+            msgs = demo(q, random.Random(s), 0.1, chat=True)
+            for who in ("main", "sub"):
+                assert encode_demo(loaded, msgs, who).ids == encode_demo(built, msgs, who).ids
+
+
 def test_sft_bare_leaves_the_system_prompt_out_of_the_first_steps_only(monkeypatch):
     """--sft-bare 0.5 over 4 steps: the first 2 steps' demos start bare (the template's default system
     prompt), the last 2 with the agent's own, which is what rollouts will see."""

@@ -74,10 +74,14 @@ CHAT_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response
               "<think>", "</think>"]
 
 
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def chat_tokenizer(task, vocab_size=768):
     """A byte-level BPE tokenizer in Qwen's style (pad <|endoftext|>, eos <|im_end|>), its merges learned
     in a second from a task's conversations, with the Qwen-style template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
     rng = random.Random(0)
     corpus = [task.SYSTEM[w] + json.dumps([TOOLS[n] for n in CHAT_TOOLS[w]]) for w in task.SYSTEM]
     corpus += 50 * [QWEN_STYLE_TEMPLATE, "system\nuser\nassistant\n"]
@@ -88,7 +92,11 @@ def chat_tokenizer(task, vocab_size=768):
             q = task.make_question(s, 1)
         corpus += [m["content"] for kind in ("main", "single", "sub") for m in task.demo(q, rng, 0.2, kind, True)]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's own normalizer and split (each digit alone, newlines apart from words): what transformers
+    # rebuilds on loading a Qwen2 model, and easier for a tiny model to read than GPT-2's split
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(corpus, trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=CHAT_SPECIAL, show_progress=False,

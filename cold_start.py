@@ -54,7 +54,7 @@ def cold_start(agent, kind, args, task, seed, steps):
     cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     t0, loss = time.time(), torch.tensor(0.0)
-    # --sft-bare: a tiny model behind a ~460-token system prompt takes many times longer to learn to
+    # --sft-bare: a tiny model behind a system prompt of hundreds of tokens takes many times longer to learn to
     # copy a name from its task; learned on bare demos first, the copy carries over in ~100 steps
     bare = dataclasses.replace(agent, system=None, splits={})
     for i in range(steps):

@@ -300,7 +300,7 @@ def test_bench_scoring_script_runs():
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line.split() for line in r.stdout.splitlines()[-2:]]
     assert [row[:2] for row in rows] == [["main", "3"], ["sub", "3"]]
-    assert all(int(row[4]) > 300 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows)  # tokens shared
+    assert all(int(row[4]) > 250 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows)  # the system prompt, shared
 
 
 @pytest.mark.slow

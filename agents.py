@@ -93,7 +93,7 @@ def chat_tokenizer(task, vocab_size=768):
         corpus += [m["content"] for kind in ("main", "single", "sub") for m in task.demo(q, rng, 0.2, kind, True)]
     tok = Tokenizer(models.BPE())
     # Qwen2's own normalizer and split (each digit alone, newlines apart from words): what transformers
-    # rebuilds on loading a Qwen2 model, and easier for a tiny model to read than GPT-2's split
+    # rebuilds when it loads a Qwen2 model, so that any loader reads the ids these models were trained on
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -111,8 +111,9 @@ def chat_tokenizer(task, vocab_size=768):
 def load_tokenizer(name):
     """A tokenizer by name or path, encoding as it was saved. transformers rebuilds the tokenizer of a
     known model type from its own class (a Qwen2 model's: Qwen's split of digits and spaces), not from
-    the saved pipeline; a folder whose tokenizer.json says otherwise (the --chat models') is loaded as
-    that file says, or a reloaded model would read other ids than it was trained on."""
+    the saved pipeline; a folder whose tokenizer.json says otherwise (a --chat model saved before these
+    split as Qwen2's, say) is loaded as that file says, or the model would read other ids than it was
+    trained on."""
     tok = AutoTokenizer.from_pretrained(name)
     path = os.path.join(name, "tokenizer.json")
     if os.path.isfile(path) and tok.backend_tokenizer.to_str() != Tokenizer.from_file(path).to_str():

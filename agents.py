@@ -39,7 +39,7 @@ WORD_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}"
 
 def word_tokenizer(words):
     """A word-level Hugging Face tokenizer over the tags and a task's words, with a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import models, pre_tokenizers
     words = list(words) + [w for w in (";", "none") if w not in words]  # search_observation's, rollout's
     vocab = {w: i for i, w in enumerate(SPECIAL + STRUCTURE + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

@@ -146,7 +146,7 @@ def tool_calls(search, questions, visit_max_chars, chat):
         for j, tag, arg in calls:
             try:
                 if tag == "visit":
-                    messages.append(search.visit(arg, visit_max_chars, allowed=seen[j]))
+                    messages.append(search.visit(arg, questions[j].seed, questions[j].level, visit_max_chars, seen[j]))
                     continue
                 results = search.search(arg, questions[j].seed, questions[j].level)
                 seen[j].update(r["url"] for r in results)
@@ -253,8 +253,9 @@ class HttpSearch:
             pass
         raise SearchError(f"search server {self.url} sent no SearXNG-style results: {text[:200]}")
 
-    def visit(self, url, max_chars=2000, allowed=()):
-        """The text of a result's page (HTML stripped), cut to max_chars (and to max_bytes). The URL
+    def visit(self, url, seed=None, level=None, max_chars=2000, allowed=()):
+        """The text of a result's page (HTML stripped), cut to max_chars (and to max_bytes); seed and
+        level unused, since an http URL names its page whatever the question's world. The URL
         comes from the model: only http(s), only one in `allowed` (this trajectory's own results)
         or on a host in visit_hosts; at most 3 redirects, to the same host and port (or https)."""
         if not re.match(r"https?://", url):

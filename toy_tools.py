@@ -9,8 +9,8 @@ with:
     answer_correct(question, answer)         -> bool: r_correct of R_M (the paper's eq. 4)
     expert_score(question, subtask, result)  -> float in [0, 1]: r_expert of R_S (the paper's eq. 5)
     search_tool()                            -> .search(query, seed, level) -> [{"url", "title", "content"}]
-                                                and .visit(url, max_chars, allowed) -> text; both raise
-                                                tools.SearchError
+                                                and .visit(url, seed, level, max_chars, allowed) -> text;
+                                                both raise tools.SearchError
     demo(question, rng, noise, kind, chat)   -> a scripted conversation (messages) of agent `kind` (main,
                                                 sub, single) for the cold start
 
@@ -28,7 +28,8 @@ also finds "bo lives avon") and the fact asked for must be read out of much nois
 runs in-process (`ToySearch`) or as a server on 127.0.0.1 (`python toy_tools.py serve`), shaped like
 SearXNG's JSON API: GET /search?q=<query>&format=json&kb=<seed>&level=<level> -> {"query", "results":
 [{"url", "title", "content"}]}; a result's url, GET /page/<kb>/<level>/<entity>, is an HTML page. Both
-give the same results and pages.
+give the same results and pages. In-process, a page's url is only toy://page/<entity>, since the
+visit is told the question's world (seed, level) as the search is.
 """
 import argparse
 import json
@@ -116,7 +117,9 @@ def search_results(seed, level, query):
     others = clean if len(clean) >= n - len(hits) else others
     keys = hits + rng.sample(others, n - len(hits))
     rng.shuffle(keys)
-    return [{"url": f"toy://page/{seed}/{level}/{subj}", "title": subj,
+    # no seed in the url: ten digits per result, that a tiny model must read past, kept the chat
+    # sub-agent's cold start from learning to read the results (docs/real-models.md)
+    return [{"url": f"toy://page/{subj}", "title": subj,
              "content": fact_text(rel, subj, kb[(rel, subj)])} for rel, subj in keys]
 
 
@@ -127,13 +130,20 @@ def page_text(seed, level, entity):
     return f"{entity}. " + " ".join(facts) if facts else None
 
 
-_PAGE = re.compile(r"(?:toy:/|https?://[^/]+)/page/([0-9]{1,18})/([0-9])/([a-z]+)")  # int() of 18 digits: safe
+_PAGE = re.compile(r"toy://page/([a-z]+)")
+_SERVED_PAGE = re.compile(r"/page/([0-9]{1,18})/([0-9])/([a-z]+)")  # int() of 18 digits: safe
 
 
-def toy_page(url):
-    """The text of the page at a toy URL, or None if it names no page."""
+def toy_page(url, seed, level):
+    """The text of the page at a toy URL in the world (seed, level), or None if it names no page."""
     m = _PAGE.fullmatch(url.strip())
-    return page_text(int(m.group(1)), int(m.group(2)), m.group(3)) if m and int(m.group(2)) in N_SNIPPETS else None
+    return page_text(seed, level, m.group(1)) if m and level in N_SNIPPETS else None
+
+
+def served_page(path):
+    """The text of the page at the server's path /page/<kb>/<level>/<entity>, or None."""
+    m = _SERVED_PAGE.fullmatch(path)
+    return toy_page(f"toy://page/{m.group(3)}", int(m.group(1)), int(m.group(2))) if m else None
 
 
 class ToySearch:
@@ -142,11 +152,12 @@ class ToySearch:
     def search(self, query, seed, level):
         return search_results(seed, level, query)
 
-    def visit(self, url, max_chars=2000, allowed=()):
-        """The page behind a result; allowed: the URLs of this trajectory's own results."""
+    def visit(self, url, seed, level, max_chars=2000, allowed=()):
+        """The page behind a result, in the question's world (seed, level), as search's; allowed: the
+        URLs of this trajectory's own results."""
         if url not in allowed:
             raise SearchError(NOT_AMONG.format(url[:200]))
-        text = toy_page(url)
+        text = toy_page(url, seed, level)
         if text is None:
             raise SearchError(f"cannot visit {url[:200]!r}: not a page of this search tool")
         return text[:max_chars]
@@ -185,9 +196,9 @@ class _Handler(BaseHTTPRequestHandler):
                 results = search_results(seed, level, query)
                 host, port = self.server.server_address[:2]
                 for r in results:  # the pages live on this server, at its own address (not the request's Host)
-                    r["url"] = r["url"].replace("toy:/", f"http://{host}:{port}", 1)
+                    r["url"] = f"http://{host}:{port}/page/{seed}/{level}/{r['title']}"
                 code, body = 200, json.dumps({"query": query, "results": results})
-            elif u.path.startswith("/page/") and (page := toy_page("toy:/" + u.path)) is not None:
+            elif u.path.startswith("/page/") and (page := served_page(u.path)) is not None:
                 title, text = page.split(" ", 1)
                 ctype, code = "text/html; charset=utf-8", 200
                 body = (f"<html><head><title>{title}</title><style>p {{margin: 0}}</style></head>"
@@ -342,7 +353,7 @@ def sub_demo(q, rng, p, chat=False):
     page = next((r["url"] for r in results if r["title"] == e), None)
     if chat and page and rng.random() < 0.3:
         msgs += [{"role": "assistant", "content": action_text("visit", page, chat)},
-                 {"role": "tool", "content": ToySearch().visit(page, allowed=[r["url"] for r in results])}]
+                 {"role": "tool", "content": ToySearch().visit(page, q.seed, q.level, allowed=[r["url"] for r in results])}]
     answer = action_text("return", _noisy(rng, value, values, p), chat)
     return msgs + [{"role": "assistant", "content": thought + answer}]
 

@@ -51,7 +51,7 @@ class Search:
         return [{"url": f"sum://{seed}/{n}", "title": n, "content": f"{n} is {NUMBERS[values(seed)[n]]}"}
                 for n in names]
 
-    def visit(self, url, max_chars=2000, allowed=()):
+    def visit(self, url, seed, level, max_chars=2000, allowed=()):
         raise tools.SearchError("this task has no pages")
 
 

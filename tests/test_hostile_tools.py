@@ -88,10 +88,13 @@ def test_deeply_nested_json_is_format_zero():
 
 
 def test_a_page_url_with_thousands_of_digits_is_a_search_error():
-    for url in ("toy://page/" + "9" * 5000 + "/1/ada", "toy://page/1/" + "1" * 5000 + "/ada",
+    for url in ("toy://page/" + "9" * 5000 + "/1/ada", "toy://page/" + "a" * 100_000, "toy://page/1/1/ada",
                 "http://h/page/" + "1" * 100_000 + "/2/bo"):
         with pytest.raises(tools.SearchError, match="not a page"):
-            tt.ToySearch().visit(url, allowed=[url])
+            tt.ToySearch().visit(url, 1, 1, allowed=[url])
+    for path in ("/page/" + "1" * 100_000 + "/2/bo", "/page/1/" + "1" * 5000 + "/ada", "/page/1/9/ada"):
+        assert tt.served_page(path) is None  # the server's pages name their world: int() of 18 digits at most
+    assert tt.served_page("/page/1/1/ada").startswith("ada. ada lives")
 
 
 @pytest.mark.parametrize("text,tags", [
@@ -292,8 +295,8 @@ def test_visit_fetches_only_the_trajectorys_own_results(server_url):
             http.visit(url, allowed=[u for u in urls if u != url])
     toy = local.search("ada", 1, 1)[0]["url"]
     with pytest.raises(tools.SearchError, match="not among"):
-        local.visit(toy)
-    assert local.visit(toy, allowed={toy}) == http.visit(page, allowed={page})
+        local.visit(toy, 1, 1)
+    assert local.visit(toy, 1, 1, allowed={toy}) == http.visit(page, allowed={page})
     # hosts the user allows: any page there, but a URL that merely names the host is not on it
     trusting = tools.HttpSearch(server_url, retries=0, timeout=2, visit_hosts={"127.0.0.1"})
     assert trusting.visit(server_url + "/page/1/1/bo").startswith("bo. bo lives")
@@ -332,19 +335,19 @@ def test_redirects_stay_on_the_same_host_and_are_few():
 # ---------------------------------------------------------------------------------------
 # Fuzz: every parser, checker and tool on random and mutated strings
 # ---------------------------------------------------------------------------------------
-# 12,040 strings: 2,000 random byte strings decoded with 'replace', 1,500 with 'surrogateescape',
+# 12,043 strings: 2,000 random byte strings decoded with 'replace', 1,500 with 'surrogateescape',
 # 2,000 random code-point strings (lone surrogates among them), 4,000 mutated valid actions of every
 # tag in both formats, 2,000 strings of nested tags, 520 mistyped, truncated or deeply nested JSON
-# calls, 10 page URLs and entities with thousands of digits, 10 strings of 100 kB to 1 MB. Each goes
+# calls, 13 page URLs and entities, some with thousands of digits, 10 strings of 100 kB to 1 MB. Each goes
 # through 17 calls (parse_action and parse_chat_action for each of the 3 agents, parse_subtask,
 # answer_correct, expert_score, stable_seed, search_results, ToySearch.search, search_observation
-# twice, ToySearch.visit twice, html_text): 204,680 calls, plus a reparse of every valid action.
+# twice, ToySearch.visit twice, html_text): 204,731 calls, plus a reparse of every valid action.
 # About 3 s on one core.
 TAGS = ["<think>", "</think>", "<call>", "</call>", "<answer>", "</answer>", "<search>", "</search>",
         "<return>", "</return>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
         "<visit>", "</visit>", "<|im_start|>", "<|im_end|>", "<", ">", "</", "\n"]
-WORDS = ["ada", "bo", "city of ada", "country of avon", "friend of bo", "norland", "toy://page/1/1/ada",
-         "toy://page/7/2/bo", "http://127.0.0.1:1/page/1/1/ada", " ", "\u00e9", "\ud800", "\udfff", "{", "}", '"']
+WORDS = ["ada", "bo", "city of ada", "country of avon", "friend of bo", "norland", "toy://page/ada",
+         "toy://page/7/2/bo", "toy://page/", "http://127.0.0.1:1/page/1/1/ada", " ", "\u00e9", "\ud800", "\udfff", "{", "}", '"']
 CALLS = ['{"name": 5}', '{"name": "search", "arguments": [1]}', '{"name": "search", "arguments": {"query": {"a": 1}}}',
          '{"name": "search", "arguments": {"query": ["ada"]}}', '{"name": "search", "arguments": "ada"}',
          '{"name": ["search"], "arguments": {"query": "ada"}}', '{"name": {"a": 1}, "arguments": {}}',
@@ -414,7 +417,7 @@ def fuzz_strings():
     out += ["toy://page/" + "9" * 5000 + "/1/ada", "http://h/page/1/" + "2" * 5000 + "/bo", "&#" + "9" * 5000 + ";",
             "&#x" + "f" * 5000, "<tool_call>" + '{"a": ' * 5000 + "</tool_call>", "<think>" + "\ud800" * 5000,
             "toy://page/" + "\u0669" * 20 + "/1/ada", "toy://page/1/1/ada\n", " toy://page/1/2/ada ",
-            "toy://page/1/3/ada"]
+            "toy://page/1/3/ada", "toy://page/" + "a" * 5000, "toy://page/ada ", "toy://page/bo\n"]
     n = 1_000_000
     out += [" " * n + "<answer> a </answer>", "<think>" * (n // 7), "<" * n, "<script" * (n // 7),
             "<tool_call>" + "[" * (n // 5) + "</tool_call>", "<answer> " + "a" * n + " </answer>",
@@ -425,7 +428,7 @@ def fuzz_strings():
 
 def test_fuzz_every_parser_checker_and_tool_with_hostile_strings():
     strings = fuzz_strings()
-    assert len(strings) == 12_040
+    assert len(strings) == 12_043
     q = tt.make_question(3, 2)
     toy = tt.ToySearch()
     failures, calls, parsed = [], 0, 0
@@ -475,8 +478,8 @@ def test_fuzz_every_parser_checker_and_tool_with_hostile_strings():
         check("search_observation", lambda: tools.search_observation(results, chat=len(s) % 2 == 0), utf8_ok)
         check("search_observation(s)", lambda: tools.search_observation([{"url": s, "title": s, "content": s}], True),
               utf8_ok)
-        check("ToySearch.visit", lambda: toy.visit(s), lambda v: False)  # never allowed
-        check("ToySearch.visit allowed", lambda: toy.visit(s, allowed={s}), utf8_ok)
+        check("ToySearch.visit", lambda: toy.visit(s, 5, 1), lambda v: False)  # never allowed
+        check("ToySearch.visit allowed", lambda: toy.visit(s, 5, 1, allowed={s}), utf8_ok)
         check("html_text", lambda: tools.html_text(s), lambda v: isinstance(v, str))
     kinds = collections.Counter(f[:2] for f in failures)
     assert not failures, f"{len(failures)} failures: {dict(kinds)}; e.g. {failures[:3]}"

@@ -59,9 +59,9 @@ def test_in_process_and_http_agree(server_url):
     local, http = tt.ToySearch(), tools.HttpSearch(server_url)
     for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 1, "avon"), (4, 2, "city of ada"), (5, 1, "???")]:
         over_http = http.search(query, seed, level)
-        for r in over_http:  # the server points the results at its own pages
-            assert r["url"].startswith(server_url + "/page/")
-            r["url"] = r["url"].replace(server_url, "toy:/")
+        for r in over_http:  # the server points the results at its own pages, which name the world
+            assert r["url"] == f"{server_url}/page/{seed}/{level}/{r['title']}"
+            r["url"] = f"toy://page/{r['title']}"  # in-process, the visit is told the world
         assert local.search(query, seed, level) == over_http
 
 
@@ -70,7 +70,7 @@ def test_visit_reads_a_result_page_in_process_and_over_http(server_url):
     for seed, level, query in [(1, 1, "ada"), (2, 2, "bo"), (3, 2, "avon")]:
         for a, b in zip(local.search(query, seed, level), http.search(query, seed, level)):
             page = http.visit(b["url"], allowed={b["url"]})  # a URL of the trajectory's own results
-            assert page == local.visit(a["url"], allowed=[a["url"]]) and b["content"] + "." in page  # same text
+            assert page == local.visit(a["url"], seed, level, allowed=[a["url"]]) and b["content"] + "." in page
     assert len(http.visit(b["url"], max_chars=7, allowed=[b["url"]])) == 7
     for bad in ("file:///etc/passwd", "toy://page/1/1/ada", "ftp://x"):
         with pytest.raises(tools.SearchError, match="only http"):
@@ -79,7 +79,9 @@ def test_visit_reads_a_result_page_in_process_and_over_http(server_url):
     with pytest.raises(tools.SearchError, match="404"):
         http.visit(nobody, allowed=[nobody])
     with pytest.raises(tools.SearchError, match="not a page"):
-        local.visit("http://example.com/", allowed=["http://example.com/"])
+        local.visit("http://example.com/", 1, 1, allowed=["http://example.com/"])
+    with pytest.raises(tools.SearchError, match="not a page"):  # a world of no level
+        local.visit("toy://page/ada", 1, 7, allowed=["toy://page/ada"])
     html = "<html><head><title>T</title><style>p {}</style></head><body><script>x()</script><p>a &amp; b</p>c</body>"
     assert tools.html_text(html) == "a & b c"
 

@@ -352,8 +352,8 @@ def sub_demo(q, rng, p, chat=False):
             {"role": "tool", "content": search_observation(results, chat)}]
     page = next((r["url"] for r in results if r["title"] == e), None)
     if chat and page and rng.random() < 0.3:
-        msgs += [{"role": "assistant", "content": action_text("visit", page, chat)},
-                 {"role": "tool", "content": ToySearch().visit(page, q.seed, q.level, allowed=[r["url"] for r in results])}]
+        text = ToySearch().visit(page, q.seed, q.level, allowed=[r["url"] for r in results])
+        msgs += [{"role": "assistant", "content": action_text("visit", page, chat)}, {"role": "tool", "content": text}]
     answer = action_text("return", _noisy(rng, value, values, p), chat)
     return msgs + [{"role": "assistant", "content": thought + answer}]
 

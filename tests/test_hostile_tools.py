@@ -347,7 +347,8 @@ TAGS = ["<think>", "</think>", "<call>", "</call>", "<answer>", "</answer>", "<s
         "<return>", "</return>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
         "<visit>", "</visit>", "<|im_start|>", "<|im_end|>", "<", ">", "</", "\n"]
 WORDS = ["ada", "bo", "city of ada", "country of avon", "friend of bo", "norland", "toy://page/ada",
-         "toy://page/7/2/bo", "toy://page/", "http://127.0.0.1:1/page/1/1/ada", " ", "\u00e9", "\ud800", "\udfff", "{", "}", '"']
+         "toy://page/7/2/bo", "toy://page/", "http://127.0.0.1:1/page/1/1/ada", " ", "\u00e9", "\ud800", "\udfff",
+         "{", "}", '"']
 CALLS = ['{"name": 5}', '{"name": "search", "arguments": [1]}', '{"name": "search", "arguments": {"query": {"a": 1}}}',
          '{"name": "search", "arguments": {"query": ["ada"]}}', '{"name": "search", "arguments": "ada"}',
          '{"name": ["search"], "arguments": {"query": "ada"}}', '{"name": {"a": 1}, "arguments": {}}',

@@ -143,7 +143,7 @@ def toy_page(url, seed, level):
 def served_page(path):
     """The text of the page at the server's path /page/<kb>/<level>/<entity>, or None."""
     m = _SERVED_PAGE.fullmatch(path)
-    return toy_page(f"toy://page/{m.group(3)}", int(m.group(1)), int(m.group(2))) if m else None
+    return page_text(int(m.group(1)), int(m.group(2)), m.group(3)) if m and int(m.group(2)) in N_SNIPPETS else None
 
 
 class ToySearch:

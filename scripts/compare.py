@@ -106,6 +106,9 @@ def parse(argv=None):
     p.add_argument("--recompute", nargs="+", metavar="REPORT", default=None,
                    help="run nothing: print the paired differences and their intervals over stage 1s from the "
                         "per-seed figures of reports this script wrote (several: their stage 1s pooled)")
+    p.add_argument("--stage1-only", action="store_true",
+                   help="run the stage 1s alone (of the arms' kinds: system, single agent) and report their "
+                        "cold-start checks in <out>/<experiment>/stage1.md; --resume reuses them later")
     p.add_argument("--quick", action="store_true",
                    help="a very short version (2 stage 1s x 2 seeds, tiny budgets): checks the pipeline, shows nothing")
     a = p.parse_args(argv)
@@ -308,6 +311,27 @@ def plot(curves, arms, stage1_seeds, path, title):
     return True
 
 
+def check_text(summary):
+    """A stage 1's cold-start check, as its summary holds it: passed or not, rounds, greedy per level."""
+    c = summary["sft_check"]
+    return (f"cold-start check {'passed' if c['passed'] else '**not passed**'} after {c['rounds']} round(s), "
+            "greedy " + ", ".join(f"level {lv} {x:.3f}" for lv, x in c["greedy"].items()))
+
+
+def stage1_report(s1_done, stage1, exp_out, show):
+    """--stage1-only: each stage 1's check and wall time, to <exp_out>/stage1.md; the share that passed."""
+    rows = [f"| `{k}` | {check_text(v) if v.get('sft_check') else 'no check'} | {v['wall_time_s'] / 60:.1f} |"
+            for k, v in s1_done.items()]
+    passed = sum(bool(v.get("sft_check", {}).get("passed")) for v in s1_done.values())
+    md = "\n".join([f"# Stage 1s: {passed} of {len(s1_done)} passed their cold-start check", "",
+                     "| stage 1 | check | minutes (cold start and stage 1's RL) |", "|---|---|---|", *rows, "",
+                     "## Commands", "", *[f"- `{k}`: `{show(v)} --out <out>/{k}`" for k, v in stage1.items()], ""])
+    with open(os.path.join(exp_out, "stage1.md"), "w") as f:
+        f.write(md)
+    print("\n".join(rows) + f"\n{passed} of {len(s1_done)} stage 1s passed | {exp_out}/stage1.md")
+    return passed
+
+
 def main(argv=None):
     a = parse(argv)
     if a.recompute:
@@ -357,6 +381,8 @@ def main(argv=None):
         # a stage-2 run starts once its own stage 1 is done; the queue holds every stage 1 before
         # the runs that wait for it, so none waits forever
         s1_jobs = {name: pool.submit(run, name, argv, out, a.resume) for name, argv in stage1.items()}
+        if a.stage1_only:
+            return stage1_report({name: f.result() for name, f in s1_jobs.items()}, stage1, exp_out, show)
         s2_jobs = {name: pool.submit(after, s1_jobs[plan[name][3]], name) for name in plan}
         s1_done = {name: f.result() for name, f in s1_jobs.items()}
         summaries = {name: f.result() for name, f in s2_jobs.items()}
@@ -400,11 +426,8 @@ def main(argv=None):
     title = f"'{a.experiment}': {len(a.seeds)} seeds per stage 1, mean and min-max"
     has_png = plot(curves, a.arms, a.stage1_seeds, os.path.join(exp_out, "curves.png"), title)
     s1_lines = [f"- `{k}`: level-1 sampled success {v['eval_success_start']:.3f} -> {v['eval_success_end']:.3f}, "
-                f"greedy {v['eval_greedy_success_end']:.3f}" + (
-                    f"; cold-start check {'passed' if v['sft_check']['passed'] else '**not passed**'} after "
-                    f"{v['sft_check']['rounds']} round(s), greedy " + ", ".join(
-                        f"level {lv} {x:.3f}" for lv, x in v['sft_check']['greedy'].items())
-                    if v.get("sft_check") else "") for k, v in s1_done.items()]
+                f"greedy {v['eval_greedy_success_end']:.3f}" + ("; " + check_text(v) if v.get("sft_check") else "")
+                for k, v in s1_done.items()]
     md = "\n".join([
         f"# Comparison '{a.experiment}': {', '.join(a.arms)}", "",
         f"{len(a.stage1_seeds)} stage 1s (seeds {', '.join(map(str, a.stage1_seeds))}) x {len(a.seeds)} stage-2 "

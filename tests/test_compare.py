@@ -81,7 +81,14 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
 def test_quick_comparison_end_to_end(tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["--quick", "--out", str(out)]
-    first = compare.main(argv)
+    # --stage1-only: the stage 1s alone, their checks reported; the full comparison then reuses them
+    assert compare.main(argv + ["--stage1-only"]) == 2
+    md = (out / "paper" / "stage1.md").read_text()
+    assert md.startswith("# Stage 1s: 2 of 2 passed") and md.count("cold-start check passed after 1 round(s)") == 2
+    assert not (out / "paper" / "results.md").exists() and "--sft-until 0.05" in md
+    capsys.readouterr()
+    first = compare.main(argv + ["--resume"])
+    assert capsys.readouterr().out.count("  reused ") == 2  # the stage 1s
     # --resume reuses every finished run and reports the same figures
     capsys.readouterr()
     again = compare.main(argv + ["--resume"])

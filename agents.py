@@ -133,7 +133,7 @@ class Agent:
     suppress: tuple = ()   # never sampled: pad and unk would look like padding
     pad_id: int = 0        # the tokenizer's pad, else its eos (padding is found by length anyway)
     end: tuple = (0, 0)    # (id, length of its text) of the stop token that closes an assistant turn
-    max_new: int = 8       # new tokens per turn; a turn not ended by then is invalid
+    max_new: int = 12      # new tokens per turn; a turn not ended by then is invalid
     chat: bool = False     # a chat model: tools in the system prompt, <tool_call> JSON (else word-level tags)
     system: dict = None    # chat models: the task's system prompt per agent kind (main, sub, single)
     bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights
@@ -151,7 +151,7 @@ class Agent:
 
 
 SIZES = {  # models built here: (hidden, layers, heads, kv heads, MLP)
-    "0.1M": (64, 2, 8, 4, 192), "0.2M": (96, 2, 8, 4, 256), "1M": (128, 4, 4, 2, 512),
+    "0.1M": (64, 2, 8, 4, 192), "0.2M": (96, 2, 8, 4, 256), "0.3M": (96, 3, 4, 2, 256), "1M": (128, 4, 4, 2, 512),
     "4M": (256, 4, 8, 4, 1024), "30M": (512, 8, 8, 4, 1536)}
 
 
@@ -219,7 +219,7 @@ def load_agent(name, args, task, seed=0, lr=None):
     return Agent(model, tok, opt, peft=peft, stop_ids=tuple(sorted(stop)),
                  suppress=tuple(sorted({tok.pad_token_id, tok.unk_token_id} - stop - {None})),
                  pad_id=tok.pad_token_id if tok.pad_token_id is not None else min(stop),
-                 end=turn_end(tok, stop, name), max_new=args.max_new_tokens or (256 if chat else 8), chat=chat,
+                 end=turn_end(tok, stop, name), max_new=args.max_new_tokens or (256 if chat else 12), chat=chat,
                  system=task.SYSTEM if chat else None, bf16=args.dtype == "bfloat16",
                  graphs={} if args.cuda_graphs and model.device.type == "cuda" else None)
 

@@ -59,8 +59,8 @@ def cold_start(agent, kind, args, task, seed, steps):
     bare = dataclasses.replace(agent, system=None, splits={})
     for i in range(steps):
         demos, enc = [], bare if agent.system and i < args.sft_bare * steps else agent
-        for j in range(args.sft_batch):  # a question, then its demo, from the one rng
-            q = task.make_question(rng.randrange(2 ** 31), mix[j % len(mix)])
+        for _ in range(args.sft_batch):  # a question, then its demo, from the one rng; one level per step,
+            q = task.make_question(rng.randrange(2 ** 31), mix[i % len(mix)])  # padded to its own length
             demos.append(encode_demo(enc, task.demo(q, rng, args.demo_noise, kind, agent.chat), kind))
         ids, attn, mask, _ = collate(demos, agent.pad_id, agent.model.device)
         agent.model.train(args.grad_checkpointing)

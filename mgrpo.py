@@ -71,7 +71,7 @@ class Args:
     train_levels: str = arg("", "training questions' levels, in turn, e.g. '1,2'; empty: --level")
     main_model: str = arg("", "M: a Hugging Face name or path (a chat model); empty: a tiny model")
     sub_model: str = arg("", "S: a Hugging Face name or path; empty: a tiny model built here")
-    model_size: str = arg("0.2M", "size of the models built here: 0.1M, 0.2M, 1M, 4M or 30M")
+    model_size: str = arg("0.2M", "size of the models built here: 0.1M, 0.2M, 0.3M, 1M, 4M or 30M")
     chat: bool = arg(False, "build the models as Qwen2 chat models (BPE, Qwen-style template, "
                      "JSON tool calls): the path real instruct models take")
     lr: float = arg(3e-4, "M-GRPO learning rate, both agents (the paper: 1e-6 for 30B models)")
@@ -92,7 +92,7 @@ class Args:
     w_sub: tuple = arg((0.1, 0.4, 0.5), "eq. 5: weights of r_format, r_correct_main, r_expert")
     main_max_turns: int = arg(4, "M's turns per rollout (delegations + the answer)")
     sub_max_turns: int = arg(3, "S's turns per sub-task (tool calls + the answer)")
-    max_new_tokens: int = arg(0, "tokens per turn (a turn not ended is invalid); 0: 8, chat 256")
+    max_new_tokens: int = arg(0, "tokens per turn (a turn not ended is invalid); 0: 12, chat 256")
     sft_steps: int = arg(-1, "cold-start steps on noisy scripted demos (the stand-in for stage 1); "
                          "-1: 600 for a model built here, none for a model given by name or path")
     sft_levels: str = arg("", "cold-start demos' levels, in turn, e.g. '1,2'; empty: --level")

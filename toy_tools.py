@@ -21,7 +21,7 @@ ada", "country of avon", "friend of ada", and S returns one entity.
 
     level 1 (easy):  "country of X ?"                      2 hops, 3 short clean snippets per search
     level 2 (hard):  "country of friend of X ?"            3 hops, 8 snippets, most of them noise
-    level 3:         "country of friend of friend of X ?"  4 hops, 12 snippets
+    level 3:         "country of friend of friend of X ?"  4 hops, 11 or 12 snippets
 
 Levels 2 and 3 are deep research in miniature: a search matches the entity anywhere in a fact ("avon"
 also finds "bo lives avon") and the fact asked for must be read out of much noise. The search tool
@@ -93,7 +93,7 @@ def make_question(seed, level):
 
 
 def chain(level):
-    """The relations a question of this level asks for, in order (level 3: 4 hops, 12 snippets per search)."""
+    """The relations a question of this level asks for, in order (level 3: 4 hops, 11 or 12 snippets per search)."""
     return ["friend"] * (level - 1) + ["city", "country"]
 
 
@@ -110,12 +110,13 @@ def search_results(seed, level, query):
         # avon" for "avon"), those of another relation than the entity's own facts
         mentions = [k for k in kb if k[1] not in words and kb[k] in words and k[0] not in own]
         hits += rng.sample(mentions, min(len(mentions), N_MENTIONS, n - len(hits)))
-    # the rest are distractors that share no relation with a fact about the entity, so a
-    # reader finds the asked fact by its relation: it is the only one of its kind
-    others = [k for k in kb if k[1] not in words and k not in hits]
+    # the rest are distractors that share no relation with a fact about the entity and name none of
+    # its values, so a reader finds the asked fact by its relation, and the word asked for comes up
+    # once: a list that repeated it let a model read by counting, not by reading (docs/toy-task.md)
+    values = {kb[h] for h in hits if h[1] in words}
+    others = [k for k in kb if k[1] not in words and k not in hits and k[1] not in values and kb[k] not in values]
     clean = [k for k in others if k[0] not in own]
-    others = clean if len(clean) >= n - len(hits) else others
-    keys = hits + rng.sample(others, n - len(hits))
+    keys = hits + rng.sample(clean, min(len(clean), n - len(hits)))
     rng.shuffle(keys)
     # no seed in the url: ten digits per result, that a tiny model must read past, kept the chat
     # sub-agent's cold start from learning to read the results (docs/real-models.md)
@@ -308,7 +309,7 @@ def main_demo(q, rng, p, single=False, chat=False):
         act = action_text("search", x, chat) if single else action_text("call", f"{rel} of {x}", chat)
         obs = search_observation(search_results(q.seed, q.level, x), chat) if single else kb[(rel, x)]
         msgs += [{"role": "assistant", "content": thought + act}, {"role": "tool", "content": obs}]
-        thought = quote(fact_text(rel, x, kb[(rel, x)])) if single and chat else ""
+        thought = quote(fact_text(rel, x, kb[(rel, x)])) if single else ""
         x = kb[(rel, x)]
     msgs.append({"role": "assistant", "content": thought + action_text("answer", _noisy(rng, x, COUNTRIES, p), chat)})
     return msgs
@@ -346,7 +347,7 @@ def sub_demo(q, rng, p, chat=False):
     obs = search_observation(results)
     found = re.search(rf"(?:^|; ){e} {RELATIONS[rel][0]} (\S+)", obs)
     value = found.group(1) if found else rng.choice(values)
-    thought = quote(fact_text(rel, e, value)) if chat and found else ""
+    thought = quote(fact_text(rel, e, value)) if found else ""
     msgs = [{"role": "user", "content": f"{rel} of {e}"},
             {"role": "assistant", "content": action_text("search", query, chat)},
             {"role": "tool", "content": search_observation(results, chat)}]

@@ -473,9 +473,10 @@ def test_fuzz_every_parser_checker_and_tool_with_hostile_strings():
         check("answer_correct", lambda: tt.answer_correct(q, s), lambda v: v in (True, False))
         check("expert_score", lambda: tt.expert_score(q, s, s), lambda v: v in (0.0, 1.0))
         check("stable_seed", lambda: tools.stable_seed(s, 1, "sub", s), lambda v: 0 <= v < 2 ** 32)
+        # a query that names many entities leaves fewer distractors that name none of their values
         results = check("search_results", lambda: tt.search_results(q.seed, q.level, s),
-                        lambda v: len(v) == tt.N_SNIPPETS[q.level])
-        check("ToySearch.search", lambda: toy.search(s, 5, 1), lambda v: len(v) == tt.N_SNIPPETS[1])
+                        lambda v: 0 < len(v) <= tt.N_SNIPPETS[q.level])
+        check("ToySearch.search", lambda: toy.search(s, 5, 1), lambda v: 0 < len(v) <= tt.N_SNIPPETS[1])
         check("search_observation", lambda: tools.search_observation(results, chat=len(s) % 2 == 0), utf8_ok)
         check("search_observation(s)", lambda: tools.search_observation([{"url": s, "title": s, "content": s}], True),
               utf8_ok)

@@ -187,24 +187,39 @@ def test_noisy_demos_are_noisy_and_in_vocabulary():
                for q in [tt.make_question(s, 2) for s in range(20)])
 
 
-def test_chat_demos_quote_the_fact_they_read_before_acting_on_it():
-    """A chat sub-agent's (and single agent's) demo thinks the fact it read, as it stands in the tool
-    message before, then acts on its value; the turn still parses to that action. Word-level demos
-    and the main agent's, which reads one word back, have no thought."""
+@pytest.mark.parametrize("chat", [False, True])
+def test_demos_quote_the_fact_they_read_before_acting_on_it(chat):
+    """A sub-agent's (and single agent's) demo thinks the fact it read, as it stands in the tool
+    message before, then acts on its value; the turn still parses to that action. The main agent's
+    demo, which reads one word back, has no thought."""
     quoted = 0
+    parse = (lambda text, kind: tools.parse_chat_action(text, kind)) if chat else \
+        (lambda text, kind: tools.parse_action(text, tools.TAGS[kind]))
     for s in range(60):
         q, rng = tt.make_question(s, 1 + s % 3), random.Random(s)
         for kind in ("sub", "single", "main"):
-            msgs = tt.demo(q, rng, 0.0, kind, chat=True)
+            msgs = tt.demo(q, rng, 0.0, kind, chat=chat)
             for before, turn in zip(msgs, msgs[1:]):
                 if turn["role"] != "assistant" or "<think>" not in turn["content"]:
                     continue
                 assert kind != "main" and before["role"] == "tool"
                 fact = turn["content"].split("<think>")[1].split("</think>")[0].strip()
                 assert fact in before["content"]  # read, not made up
-                tag, arg = tools.parse_chat_action(turn["content"], kind)
+                tag, arg = parse(turn["content"], kind)
                 assert arg == fact.split()[-1] and tag in ("search", "return", "answer")
                 quoted += 1
-        assert not any("<think>" in m["content"] for k in ("main", "sub", "single")
-                       for m in tt.demo(q, rng, 0.1, k, chat=False))
     assert quoted > 100
+
+
+def test_the_value_asked_for_is_named_once_in_its_list():
+    """Along every hop of a question, the search for the entity lists the fact asked for, and no other
+    snippet names its value: a model must read the fact, not count which word comes up twice."""
+    for level in (2, 3):
+        for s in range(100):
+            q, kb = tt.make_question(s, level), tt.knowledge_base(s, level)
+            x = q.text.split()[-2]
+            for rel in tt.chain(level):
+                snippets = [r["content"] for r in tt.search_results(s, level, x)]
+                assert tt.fact_text(rel, x, kb[(rel, x)]) in snippets
+                assert sum(kb[(rel, x)] in c.split() for c in snippets) == 1, (level, s, rel, snippets)
+                x = kb[(rel, x)]

@@ -114,10 +114,15 @@ def load_tokenizer(name):
     the saved pipeline; a folder whose tokenizer.json says otherwise (a --chat model saved before these
     split as Qwen2's, say) is loaded as that file says, or the model would read other ids than it was
     trained on."""
-    tok = AutoTokenizer.from_pretrained(name)
     path = os.path.join(name, "tokenizer.json")
-    if os.path.isfile(path) and tok.backend_tokenizer.to_str() != Tokenizer.from_file(path).to_str():
-        tok = transformers.PreTrainedTokenizerFast.from_pretrained(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        if os.path.isfile(path) and tok.backend_tokenizer.to_str() != Tokenizer.from_file(path).to_str():
+            tok = transformers.PreTrainedTokenizerFast.from_pretrained(name)
+    except Exception as e:  # the Rust tokenizer raises a bare Exception on a broken file
+        if not os.path.isdir(name) or isinstance(e, OSError):  # a hub name: its own message says it all
+            raise
+        raise ValueError(f"{name}: its tokenizer files cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
     return tok
 
 

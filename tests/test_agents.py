@@ -153,6 +153,16 @@ def test_save_and_load_with_from_pretrained(tmp_path, args, agents):
     del main.model.config.final_logit_softcapping
 
 
+@pytest.mark.parametrize("garbage", ["{garbage", '{"a": 1}', "[]", "\x00" * 64])
+def test_a_garbage_tokenizer_file_is_a_clear_error(tmp_path, args, agents, garbage):
+    main, _ = agents
+    main.model.save_pretrained(tmp_path)
+    main.tok.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(garbage)
+    with pytest.raises(ValueError, match="tokenizer files cannot be read"):
+        helpers.load_agent(str(tmp_path), args)
+
+
 def test_a_saved_chat_model_reads_the_ids_it_was_trained_on(tmp_path):
     """A --chat model saved and loaded by path (a checkpoint, a cold-start worker, a stage-2 run)
     encodes every message as the tokenizer built in code did. transformers rebuilds a Qwen2 model's

@@ -20,6 +20,7 @@ class Log:
         self.args, self.agents, self.out, self.store = args, agents, out, store
         self.n_phases, self.lines, self.io_mark = n_phases, n_lines, store.io_time if store else 0.0
         self.track, self.close = tracker(args, out)
+        self.flat = {}  # steps in a row in which every group of an agent was zero-variance
 
     def phase_done(self, idx, kind, step, rec):
         """rec: the phase's metrics, or None (the sub role's evaluations)."""
@@ -33,6 +34,8 @@ class Log:
             self.lines += 1
             self.track(rec)
             print(progress_line(rec, self.args.steps), flush=True)
+            for line in flat_warnings(self.flat, rec):
+                print(line, flush=True)
         if kind == "eval" or step % self.args.save_every == 0 or idx == self.n_phases - 1:
             save_checkpoint(self.out, self.agents, idx + 1, self.lines)
             if self.store:
@@ -80,6 +83,24 @@ def progress_line(rec, steps):
              ("t_store", "store {t_store:.2f}s")]
     shown = {k: float("nan") if v is None else v for k, v in rec.items()}  # a skipped step's grad norm
     return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**shown) for key, text in parts if key in rec])
+
+
+FLAT_STEPS = 20  # a warning after this many steps in a row without a group that teaches an agent anything
+
+
+def flat_warnings(flat, rec):
+    """Warnings for an agent each of whose groups has had one reward for all its members for FLAT_STEPS
+    steps in a row: its advantages are all 0 (eq. 13), so it gets no gradient, whether it solves every
+    question or none. A policy that collapsed to one invalid turn never leaves that state by itself."""
+    lines = []
+    for agent in ("main", "sub"):
+        key = "zero_var_" + agent
+        flat[key] = flat.get(key, 0) + 1 if rec.get(key) == 1.0 else 0
+        if flat[key] == FLAT_STEPS:
+            lines.append(f"warning: for {FLAT_STEPS} steps every group of the {agent} agent had one reward in all "
+                         f"its rollouts, so it got no gradient: it has solved everything or collapsed (success "
+                         f"{rec.get('success', float('nan')):.3f}); a collapse asks for a lower learning rate")
+    return lines
 
 
 def report(args, agents, out, t_start, d_rule):

@@ -37,6 +37,17 @@ def test_group_advantages_zero_variance_and_batches():
     assert group_advantages([5.0]).tolist() == [0.0]  # a group of one has no baseline
 
 
+def test_a_long_run_of_zero_variance_steps_is_warned_of_once_per_run_of_steps():
+    from report import FLAT_STEPS, flat_warnings
+    flat, seen = {}, []
+    for step in range(3 * FLAT_STEPS):
+        rec = {"zero_var_main": 1.0 if step != FLAT_STEPS // 2 else 0.5, "zero_var_sub": 1.0, "success": 0.0}
+        seen += [(step, line.split()[8]) for line in flat_warnings(flat, rec)]
+    # S flat from the start; M's streak broken once, so its warning comes later, each once
+    assert seen == [(FLAT_STEPS - 1, "sub"), (FLAT_STEPS // 2 + FLAT_STEPS, "main")]
+    assert flat_warnings({}, {"step": 1}) == []  # a line without the figures (an evaluation's)
+
+
 def test_align_worked_example():
     # K = 4 rollouts delegating 0, 1, 2 and 4 times, D = 2
     pairs = align_sub_trajectories([0, 1, 2, 4], 2, random.Random(0))

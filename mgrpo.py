@@ -71,7 +71,7 @@ class Args:
     train_levels: str = arg("", "training questions' levels, in turn, e.g. '1,2'; empty: --level")
     main_model: str = arg("", "M: a Hugging Face name or path (a chat model); empty: a tiny model")
     sub_model: str = arg("", "S: a Hugging Face name or path; empty: a tiny model built here")
-    model_size: str = arg("0.2M", "size of the models built here: 0.1M, 0.2M, 0.3M, 1M, 4M or 30M")
+    model_size: str = arg("0.2M", "size of the models built here: 0.1M, 0.2M, 0.4M, 1M, 4M or 30M")
     chat: bool = arg(False, "build the models as Qwen2 chat models (BPE, Qwen-style template, "
                      "JSON tool calls): the path real instruct models take")
     lr: float = arg(3e-4, "M-GRPO learning rate, both agents (the paper: 1e-6 for 30B models)")

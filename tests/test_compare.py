@@ -69,8 +69,9 @@ def test_bad_options_fail_clearly(capsys):
 def test_each_experiment_has_its_own_stage1_and_options_override_it():
     paper, single = compare.parse([]), compare.parse(["--experiment", "single"])
     assert (paper.sft_levels, paper.sft_steps, paper.stage1_steps, paper.stage1_levels) == ("1,2,2", 1200, 60, "1,2")
-    assert (single.sft_levels, single.sft_steps, single.stage1_steps, single.stage1_levels) == ("1,2,3", 2400, 0,
+    assert (single.sft_levels, single.sft_steps, single.stage1_steps, single.stage1_levels) == ("1,2,3", 1200, 0,
                                                                                              "1,2,3")
+    assert paper.model_size == single.model_size == "0.4M"  # stage 1 builds 4-layer models
     mine = compare.parse(["--experiment", "single", "--sft-steps", "10", "--stage1-steps", "5", "--sft-levels", "3"])
     assert (mine.sft_levels, mine.sft_steps, mine.stage1_steps, mine.stage1_levels) == ("3", 10, 5, "3")
     # level 3 trains with gradients clipped at 0.1 in both arms, level 2 at mgrpo.py's default
@@ -175,3 +176,16 @@ def test_runs_end_when_the_comparison_is_killed(tmp_path):
     for k in left:  # a failure leaves nothing running behind it
         os.kill(k, signal.SIGTERM)
     assert not left, "a run outlived compare.py"
+
+
+def test_the_stage1_report_says_which_passed_and_whether_there_was_a_check(tmp_path, capsys):
+    check = {"passed": True, "rounds": 2, "greedy": {"1": 1.0, "3": 0.961}}
+    done = {"a": {"sft_check": check, "wall_time_s": 600.0},
+            "b": {"sft_check": {**check, "passed": False, "rounds": 4}, "wall_time_s": 1200.0}}
+    assert compare.stage1_report(done, {"a": ["--seed", "1"], "b": ["--seed", "2"]}, str(tmp_path), " ".join) == 1
+    md = (tmp_path / "stage1.md").read_text()
+    assert md.startswith("# Stage 1s: 1 of 2 passed") and "passed after 2 round(s), greedy level 1 1.000, level 3 0.961" in md
+    assert "**not passed** after 4 round(s)" in md and "| 20.0 |" in md and "`--seed 2 --out <out>/b`" in md
+    unchecked = {"a": {"wall_time_s": 60.0}}
+    assert compare.stage1_report(unchecked, {"a": []}, str(tmp_path), " ".join) == 0
+    assert (tmp_path / "stage1.md").read_text().startswith("# Stage 1s: 1, without a cold-start check")

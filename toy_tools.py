@@ -110,10 +110,10 @@ def search_results(seed, level, query):
         # avon" for "avon"), those of another relation than the entity's own facts
         mentions = [k for k in kb if k[1] not in words and kb[k] in words and k[0] not in own]
         hits += rng.sample(mentions, min(len(mentions), N_MENTIONS, n - len(hits)))
-    # the rest are distractors that share no relation with a fact about the entity and name none of
-    # its values, so a reader finds the asked fact by its relation, and the word asked for comes up
-    # once: a list that repeated it let a model read by counting, not by reading (docs/toy-task.md)
-    values = {kb[h] for h in hits if h[1] in words}
+    # the rest are distractors that share no relation with a fact about the entity and, at levels 2
+    # and 3, name none of its values, so a reader finds the asked fact by its relation, and the word
+    # asked for comes up once: a list that repeated it let a model read by counting (docs/toy-task.md)
+    values = {kb[h] for h in hits if h[1] in words} if level >= 2 else set()
     others = [k for k in kb if k[1] not in words and k not in hits and k[1] not in values and kb[k] not in values]
     clean = [k for k in others if k[0] not in own]
     keys = hits + rng.sample(clean, min(len(clean), n - len(hits)))

@@ -17,7 +17,7 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
 --experiment picks a setting and the two arms to compare (any --arms may be added):
   paper    level 2 (3 hops, 8 noisy snippets per search): co-train against main-only
   unsync   level 2 with S moving fast (its learning rate 1e-3, 3.3 times M's): co-train against unsync
-  single   level 3 (4 hops, 12 noisy snippets), where a single agent's context grows to about
+  single   level 3 (4 hops, 11 or 12 noisy snippets), where a single agent's context grows to about
            230 tokens while M's stays near 50: co-train against single-agent. Its stage 1 is the
            cold start alone, and both arms clip gradients at 0.1 (the README says why)
 
@@ -26,12 +26,10 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
     python scripts/compare.py --experiment single --out runs/compare --resume
     python scripts/compare.py --quick               # a very short version, to check the pipeline
 
-On 2 CPU cores 'paper' took 35 min and 'unsync', reusing its stage 1s, 16 min. 'single' is
-ruled by the single agent's stage 1, 2400 cold-start steps on contexts of about 230 tokens per
-round: about 21 min where the check passes after one round, 85 min or more where it takes all
-four (it did in 3 of 5 stage 1s), so one stage 1 with its six stage-2 runs takes 35 min to two
-hours. --resume continues a comparison that was cut off, after its last finished run or
-cold-start round.
+Each report in docs/ gives its own wall time. The cold start rules the cost: one round of 1200
+steps of a 0.4M single agent on level-3 demos took about 15 minutes on one core, and a stalled
+cold start takes four rounds. --resume continues a comparison that was cut off, after its last
+finished run or cold-start round.
 
 The report gives each arm's final success over all runs and per stage 1, and the paired
 difference (first arm - second arm, same stage 1 and seed) with a 95% t-interval over the stage 1s,

@@ -16,7 +16,7 @@ with:
 
 The toy world: every question has its own knowledge base, made from the question's seed, so nothing
 can be memorised. "country of ada ?" needs the city where ada lives and that city's country, read off
-search results ("ada lives avon", "avon in norland", "ada friend bo"); M's sub-tasks read "city of
+search results ("ada lives avon", "avon in norland", "ada knows bo"); M's sub-tasks read "city of
 ada", "country of avon", "friend of ada", and S returns one entity.
 
     level 1 (easy):  "country of X ?"                      2 hops, 3 short clean snippets per search
@@ -47,14 +47,16 @@ PERSONS = ("ada bo cy dex eli fay gus hal ivo jun kai lu mo ned oz "
            "pia quin ray sol tam uma vic wes xia yul zed abe bea cal dot").split()
 CITIES = "avon brill cork dover elm fenn glen hove ilk jura".split()
 COUNTRIES = "norland sudia westia eastia midia".split()
-# sub-task relation -> (word in the fact, type of the subject, type of the value)
+# sub-task relation -> (word in the fact, type of the subject, type of the value). No fact reads with
+# its sub-task's word: with "ada friend bo" read for "friend of ada", a copy of the word after "friend"
+# also found "of" in the question, and tiny models learned the friend hop by some seeds, not others
 RELATIONS = {"city": ("lives", PERSONS, CITIES),
              "country": ("in", CITIES, COUNTRIES),
-             "friend": ("friend", PERSONS, PERSONS)}
+             "friend": ("knows", PERSONS, PERSONS)}
 N_SNIPPETS = {1: 3, 2: 8, 3: 12}
 N_MENTIONS = 3  # level 2: at most this many facts that name the entity as their value
 
-WORDS = ["country", "city", "friend", "of", "?", "lives", "in", ";", "none"] + PERSONS + CITIES + COUNTRIES
+WORDS = ["country", "city", "friend", "of", "?", "lives", "in", "knows", ";", "none"] + PERSONS + CITIES + COUNTRIES
 
 
 # ---------------------------------------------------------------------------------------
@@ -278,8 +280,8 @@ def expert_score(q, task, result):
 # ---------------------------------------------------------------------------------------
 # The chat models' system prompts; scripted, deliberately noisy demos for the cold start
 # ---------------------------------------------------------------------------------------
-_WORLD = ("Facts read 'ada lives avon' (ada's city), 'avon in norland' (avon's country), 'ada friend bo'. "
-          "Reply with exactly one tool call, or with the final answer as <answer> word </answer>.")
+_WORLD = ("Facts read 'ada lives avon' (ada's city), 'avon in norland' (avon's country), "
+          "'ada knows bo' (ada's friend). Reply with exactly one tool call, or with the final answer as <answer> word </answer>.")
 SYSTEM = {
     "main": "You answer questions about people, cities and countries. You cannot search: call the sub_agent tool "
             "with one sub-task at a time. " + _WORLD,

@@ -185,9 +185,10 @@ def test_static_cache_decoding_equals_the_eager_loop(word_agent):
             assert lp_a == pytest.approx(lp_b, abs=1e-5)
     assert len({len(x[0]) for x in a}) > 1 and any(x[2] for x in a)
     assert list(static.graphs) == [(8, 256)]
-    # sampled, with no row ending early, the draws are the same too
-    c = mgrpo.generate(word_agent, contexts(word_agent)[:4], 6, seed=1)
-    still = copy.deepcopy(word_agent)
+    # sampled, with no row ending early (no stop token is ever drawn), the draws are the same too
+    endless = biased(word_agent, {i: -1e4 for i in word_agent.stop_ids})
+    c = mgrpo.generate(endless, contexts(word_agent)[:4], 6, seed=1)
+    still = copy.deepcopy(endless)
     still.graphs = {}
     assert all(len(x[0]) == 6 for x in c)
     assert [x[0] for x in mgrpo.generate(still, contexts(word_agent)[:4], 6, seed=1)] == [x[0] for x in c]

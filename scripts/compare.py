@@ -26,9 +26,9 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
     python scripts/compare.py --experiment single --out runs/compare --resume
     python scripts/compare.py --quick               # a very short version, to check the pipeline
 
-Each report in docs/ gives its own wall time. The cold start rules the cost: one round of 1200
-steps of a 0.4M single agent on level-3 demos took about 15 minutes on one core, and a stalled
-cold start takes four rounds. --resume continues a comparison that was cut off, after its last
+Each report in docs/ gives its own wall time. The cold start rules the cost: one round (2400
+steps of 32 demos) of a 0.4M single agent on levels 1 to 3 takes about 14 minutes on one core,
+and each round that fails the check adds one (docs/stage1.md). --resume continues a comparison that was cut off, after its last
 finished run or cold-start round.
 
 The report gives each arm's final success over all runs and per stage 1, and the paired
@@ -66,7 +66,10 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
                                               "--grad-clip", "0.1"],
                {"sft_levels": "1,2,3", "stage1_steps": 0}),
 }
-STAGE1 = {"sft_steps": 1200, "stage1_steps": 60}  # stage 1's defaults where an experiment does not set them
+# stage 1's defaults where an experiment does not set them: a round of 2400 steps of 32 demos at lr 3e-3 costs
+# what 1200 steps of 64 did, and the single agent's level-3 check passed in it where 1200 x 64 at 1.5e-3 did not
+# (docs/stage1.md)
+STAGE1 = {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 3e-3, "stage1_steps": 60}
 
 
 def parse(argv=None):
@@ -79,14 +82,15 @@ def parse(argv=None):
     p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3], help="one stage 1 per seed")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
     p.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (stage 1), and the size of each "
-                   "continuation that --sft-until asks for; None: 1200")
+                   "continuation that --sft-until asks for; None: 2400")
     p.add_argument("--sft-until", type=float, default=0.95,
                    help="the cold start goes on (at most 3 times) until the system's greedy success on held-out "
                         "questions of each demo level reaches this (mgrpo.py --sft-until); 0: no check")
     p.add_argument("--sft-levels", default="",
                    help="levels of the cold-start demos, in turn; empty: the experiment's (paper, unsync: 1,2,2: "
                         "two level-2 demos per level-1 one; single: 1,2,3)")
-    p.add_argument("--sft-lr", type=float, default=1.5e-3, help="cold-start learning rate (stage 1)")
+    p.add_argument("--sft-batch", type=int, default=None, help="demos per cold-start step; None: 32")
+    p.add_argument("--sft-lr", type=float, default=None, help="cold-start learning rate (stage 1); None: 3e-3")
     p.add_argument("--model-size", default="0.4M",
                    help="size of the models that stage 1 builds (mgrpo.py --model-size); stage 2 starts from them. "
                         "0.4M, 4 layers of 4 heads: with 2 layers of 8 (0.2M) the copy of a word out of a long "
@@ -119,7 +123,8 @@ def parse(argv=None):
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
     own = {**STAGE1, **EXPERIMENTS[a.experiment][2]}
     a.sft_levels = a.sft_levels or own["sft_levels"]
-    a.sft_steps = own["sft_steps"] if a.sft_steps is None else a.sft_steps
+    for key in ("sft_steps", "sft_batch", "sft_lr"):
+        setattr(a, key, own[key] if getattr(a, key) is None else getattr(a, key))
     a.stage1_steps = own["stage1_steps"] if a.stage1_steps is None else a.stage1_steps
     a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:
@@ -129,8 +134,10 @@ def parse(argv=None):
         a.eval_every, a.eval_questions = 2, 16
     if not 0 <= a.sft_until <= 1:
         p.error("--sft-until is a success rate, in [0, 1]")
-    if min(a.sft_steps, a.stage1_steps) < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1:
-        p.error("step counts must be >= 0, and --stage2-steps, --eval-every, --eval-questions, --jobs >= 1")
+    if (min(a.sft_steps, a.stage1_steps) < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1
+            or a.sft_batch < 1 or not a.sft_lr > 0):
+        p.error("step counts must be >= 0, --stage2-steps, --eval-every, --eval-questions, --jobs, --sft-batch >= 1, "
+                "and --sft-lr > 0")
     if len(set(a.stage1_seeds)) != len(a.stage1_seeds) or len(set(a.seeds)) != len(a.seeds):
         p.error("--stage1-seeds and --seeds must not repeat a seed")
     return a
@@ -354,7 +361,7 @@ def main(argv=None):
                  for x in (key, stage2[stage2.index(key) + 1])]
         base = ["--level", "1", "--train-levels", a.stage1_levels, *shape, "--model-size", a.model_size,
                 "--sft-levels", a.sft_levels, "--sft-steps",
-                str(a.sft_steps), "--sft-lr", str(a.sft_lr), "--sft-until", str(a.sft_until), "--steps",
+                str(a.sft_steps), "--sft-batch", str(a.sft_batch), "--sft-lr", str(a.sft_lr), "--sft-until", str(a.sft_until), "--steps",
                 str(a.stage1_steps), "--eval-every", "0", "--seed", str(s1), *common]
         if any(arm != "single-agent" for arm in a.arms):
             stage1[f"{s1_prefix}-seed{s1}-system"] = base

@@ -28,8 +28,8 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
 
 Each report in docs/ gives its own wall time. The cold start rules the cost: one round (2400
 steps of 32 demos) of a 0.4M single agent on levels 1 to 3 takes about 14 minutes on one core,
-and each round that fails the check adds one (docs/stage1.md). --resume continues a comparison that was cut off, after its last
-finished run or cold-start round.
+and each round that fails the check adds one (docs/stage1.md). --resume continues a comparison
+that was cut off, after its last finished run or cold-start round.
 
 The report gives each arm's final success over all runs and per stage 1, and the paired
 difference (first arm - second arm, same stage 1 and seed) with a 95% t-interval over the stage 1s,
@@ -82,15 +82,17 @@ def parse(argv=None):
     p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3], help="one stage 1 per seed")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
     p.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (stage 1), and the size of each "
-                   "continuation that --sft-until asks for; None: 2400")
+                   f"continuation that --sft-until asks for; None: {STAGE1['sft_steps']}")
     p.add_argument("--sft-until", type=float, default=0.95,
                    help="the cold start goes on (at most 3 times) until the system's greedy success on held-out "
                         "questions of each demo level reaches this (mgrpo.py --sft-until); 0: no check")
     p.add_argument("--sft-levels", default="",
                    help="levels of the cold-start demos, in turn; empty: the experiment's (paper, unsync: 1,2,2: "
                         "two level-2 demos per level-1 one; single: 1,2,3)")
-    p.add_argument("--sft-batch", type=int, default=None, help="demos per cold-start step; None: 32")
-    p.add_argument("--sft-lr", type=float, default=None, help="cold-start learning rate (stage 1); None: 3e-3")
+    p.add_argument("--sft-batch", type=int, default=None,
+                   help=f"demos per cold-start step; None: {STAGE1['sft_batch']}")
+    p.add_argument("--sft-lr", type=float, default=None,
+                   help=f"cold-start learning rate (stage 1); None: {STAGE1['sft_lr']:g}")
     p.add_argument("--model-size", default="0.4M",
                    help="size of the models that stage 1 builds (mgrpo.py --model-size); stage 2 starts from them. "
                         "0.4M, 4 layers of 4 heads: with 2 layers of 8 (0.2M) the copy of a word out of a long "
@@ -123,9 +125,8 @@ def parse(argv=None):
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
     own = {**STAGE1, **EXPERIMENTS[a.experiment][2]}
     a.sft_levels = a.sft_levels or own["sft_levels"]
-    for key in ("sft_steps", "sft_batch", "sft_lr"):
+    for key in ("sft_steps", "sft_batch", "sft_lr", "stage1_steps"):
         setattr(a, key, own[key] if getattr(a, key) is None else getattr(a, key))
-    a.stage1_steps = own["stage1_steps"] if a.stage1_steps is None else a.stage1_steps
     a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:
         a.stage1_seeds, a.seeds = a.stage1_seeds[:2], a.seeds[:2]
@@ -360,9 +361,9 @@ def main(argv=None):
         shape = [x for key in ("--max-sub", "--main-max-turns") if key in stage2
                  for x in (key, stage2[stage2.index(key) + 1])]
         base = ["--level", "1", "--train-levels", a.stage1_levels, *shape, "--model-size", a.model_size,
-                "--sft-levels", a.sft_levels, "--sft-steps",
-                str(a.sft_steps), "--sft-batch", str(a.sft_batch), "--sft-lr", str(a.sft_lr), "--sft-until", str(a.sft_until), "--steps",
-                str(a.stage1_steps), "--eval-every", "0", "--seed", str(s1), *common]
+                "--sft-levels", a.sft_levels, "--sft-steps", str(a.sft_steps), "--sft-batch", str(a.sft_batch),
+                "--sft-lr", str(a.sft_lr), "--sft-until", str(a.sft_until), "--steps", str(a.stage1_steps),
+                "--eval-every", "0", "--seed", str(s1), *common]
         if any(arm != "single-agent" for arm in a.arms):
             stage1[f"{s1_prefix}-seed{s1}-system"] = base
         if "single-agent" in a.arms:

@@ -1,4 +1,9 @@
+import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 
 import pytest
@@ -11,10 +16,81 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: trains or runs whole processes (the fast tier: -m 'not slow')")
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The two longest runs (several minutes each): started as processes of their own when collection
+# ends, so that they train on the second core while the other tests run, and awaited by their
+# tests, which go last. Fixture name -> mgrpo.py's options.
+LONG_RUNS = {
+    "demo_run": ["--seed", "1"],  # the default demo, `python mgrpo.py --seed 1`
+    # docs/real-models.md's chat run, cut short: the same cold start, 50 RL steps of the 400
+    "chat_run": ["--chat", "--sft-steps", "800", "--sft-batch", "16", "--sft-bare", "0.75", "--steps", "50",
+                 "--lr", "1.5e-4", "--questions-per-step", "4", "--max-new-tokens", "40", "--eval-questions", "64",
+                 "--eval-every", "50", "--sft-until", "0.6", "--seed", "1"],
+}
+_long = {"dir": None, "procs": {}}
+
+
+def _uses(item, names):
+    return any(n in item.fixturenames for n in names)
+
+
 def pytest_collection_modifyitems(items):
-    for item in items:  # a test that needs the trained cold start is slow
-        if "cold_start_dir" in item.fixturenames:
+    for item in items:  # a test that needs the trained cold start or a long run is slow
+        if _uses(item, ["cold_start_dir", *LONG_RUNS]):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: _uses(item, LONG_RUNS))  # stable: the long runs' tests last
+
+
+def pytest_collection_finish(session):
+    needed = {n for item in session.items for n in LONG_RUNS if n in item.fixturenames}
+    if not needed or session.config.option.collectonly:
+        return
+    _long["dir"] = tempfile.mkdtemp(prefix="mgrpo-long-")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # one core each: the tests keep the other
+    for name in sorted(needed):
+        out = os.path.join(_long["dir"], name)
+        log = open(out + ".log", "w")
+        cmd = [sys.executable, os.path.join(ROOT, "mgrpo.py"), *LONG_RUNS[name], "--out", out]
+        _long["procs"][name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), out)
+        log.close()
+
+
+def pytest_sessionfinish(session):
+    for proc, _ in _long["procs"].values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if _long["dir"]:
+        shutil.rmtree(_long["dir"], ignore_errors=True)
+
+
+def _await(name):
+    """(summary.json, output folder) of a long run, once it has ended well."""
+    if name not in _long["procs"]:
+        pytest.fail(f"{name} was not started at collection")
+    proc, out = _long["procs"][name]
+    try:
+        rc = proc.wait(timeout=3600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "killed after 3600 s"
+    with open(out + ".log", errors="replace") as f:
+        tail = f.read()[-3000:]
+    assert rc == 0, f"{name} ended with {rc}:\n{tail}"
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f), out
+
+
+@pytest.fixture(scope="session")
+def demo_run():
+    return _await("demo_run")
+
+
+@pytest.fixture(scope="session")
+def chat_run():
+    """Tiny chat models built by --chat, cold-started and trained by a short run: its summary and
+    output folder (the agents saved as Hugging Face folders, for the tests that load them by path)."""
+    return _await("chat_run")
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,6 @@ from agents import message_ids, prompt_ids
 from cold_start import encode_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# docs/real-models.md's chat run, cut short: the same cold start, 50 RL steps of the 400
-LEARN = ["--chat", "--sft-steps", "800", "--sft-batch", "16", "--sft-bare", "0.75", "--steps", "50", "--lr", "1.5e-4",
-         "--questions-per-step", "4", "--max-new-tokens", "40", "--eval-questions", "64", "--eval-every", "50",
-         "--sft-until", "0.6", "--seed", "1"]
 RUN = ["--sft-steps", "0", "--questions-per-step", "2", "--group-size", "4", "--max-new-tokens", "40",
        "--eval-questions", "4", "--eval-every", "0", "--peer-timeout", "120"]
 
@@ -29,16 +25,8 @@ pytestmark = pytest.mark.slow  # every test here trains models or runs processes
 
 
 @pytest.fixture(scope="module")
-def chat_run(tmp_path_factory):
-    """Tiny chat models built by --chat, cold-started and trained by a short run: its summary and
-    output folder (the agents saved as Hugging Face folders, for the tests that load them by path)."""
-    out = tmp_path_factory.mktemp("chat")
-    return mgrpo.main(LEARN + ["--out", str(out)]), out
-
-
-@pytest.fixture(scope="module")
 def chat_dir(chat_run):
-    return {"main": str(chat_run[1] / "main"), "sub": str(chat_run[1] / "sub")}
+    return {name: os.path.join(chat_run[1], name) for name in ("main", "sub")}
 
 
 def test_the_chat_path_learns(chat_run):

@@ -66,10 +66,13 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
                                               "--grad-clip", "0.1"],
                {"sft_levels": "1,2,3", "stage1_steps": 0}),
 }
-# stage 1's defaults where an experiment does not set them: a round of 2400 steps of 32 demos at lr 3e-3 costs
-# what 1200 steps of 64 did, and the single agent's level-3 check passed in it where 1200 x 64 at 1.5e-3 did not
-# (docs/stage1.md)
-STAGE1 = {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 3e-3, "stage1_steps": 60}
+# stage 1's cold start where the options do not set it, per kind of stage 1 (docs/stage1.md): the single agent's
+# level-3 check passed in rounds of 2400 steps of 32 demos at lr 3e-3 where 1200 x 64 at 1.5e-3 did not; at those,
+# the system's sub-agent stalled on the friend hop for the three seeds tried (1, 4, 5), two of which passed or got
+# further at 1200 x 64, 1.5e-3. A round of either costs about the same.
+STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3},
+          "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 3e-3}}
+STAGE1_STEPS = 60
 
 
 def parse(argv=None):
@@ -82,7 +85,8 @@ def parse(argv=None):
     p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3], help="one stage 1 per seed")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
     p.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (stage 1), and the size of each "
-                   f"continuation that --sft-until asks for; None: {STAGE1['sft_steps']}")
+                   f"continuation that --sft-until asks for; None: {STAGE1['system']['sft_steps']} for "
+                   f"the system, {STAGE1['single']['sft_steps']} for the single agent")
     p.add_argument("--sft-until", type=float, default=0.95,
                    help="the cold start goes on (at most 3 times) until the system's greedy success on held-out "
                         "questions of each demo level reaches this (mgrpo.py --sft-until); 0: no check")
@@ -90,9 +94,11 @@ def parse(argv=None):
                    help="levels of the cold-start demos, in turn; empty: the experiment's (paper, unsync: 1,2,2: "
                         "two level-2 demos per level-1 one; single: 1,2,3)")
     p.add_argument("--sft-batch", type=int, default=None,
-                   help=f"demos per cold-start step; None: {STAGE1['sft_batch']}")
+                   help=f"demos per cold-start step; None: {STAGE1['system']['sft_batch']} for the system, "
+                   f"{STAGE1['single']['sft_batch']} for the single agent")
     p.add_argument("--sft-lr", type=float, default=None,
-                   help=f"cold-start learning rate (stage 1); None: {STAGE1['sft_lr']:g}")
+                   help=f"cold-start learning rate (stage 1); None: {STAGE1['system']['sft_lr']:g} for the system, "
+                   f"{STAGE1['single']['sft_lr']:g} for the single agent")
     p.add_argument("--model-size", default="0.4M",
                    help="size of the models that stage 1 builds (mgrpo.py --model-size); stage 2 starts from them. "
                         "0.4M, 4 layers of 4 heads: with 2 layers of 8 (0.2M) the copy of a word out of a long "
@@ -123,10 +129,9 @@ def parse(argv=None):
     if a.resume and not a.out:
         p.error("--resume needs the --out of the comparison to continue")
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
-    own = {**STAGE1, **EXPERIMENTS[a.experiment][2]}
+    own = {"stage1_steps": STAGE1_STEPS, **EXPERIMENTS[a.experiment][2]}
     a.sft_levels = a.sft_levels or own["sft_levels"]
-    for key in ("sft_steps", "sft_batch", "sft_lr", "stage1_steps"):
-        setattr(a, key, own[key] if getattr(a, key) is None else getattr(a, key))
+    a.stage1_steps = own["stage1_steps"] if a.stage1_steps is None else a.stage1_steps
     a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:
         a.stage1_seeds, a.seeds = a.stage1_seeds[:2], a.seeds[:2]
@@ -135,10 +140,11 @@ def parse(argv=None):
         a.eval_every, a.eval_questions = 2, 16
     if not 0 <= a.sft_until <= 1:
         p.error("--sft-until is a success rate, in [0, 1]")
-    if (min(a.sft_steps, a.stage1_steps) < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1
-            or a.sft_batch < 1 or not a.sft_lr > 0):
-        p.error("step counts must be >= 0, --stage2-steps, --eval-every, --eval-questions, --jobs, --sft-batch >= 1, "
-                "and --sft-lr > 0")
+    given = {key: getattr(a, key) for key in STAGE1["system"] if getattr(a, key) is not None}
+    if (min(given.get("sft_steps", 0), a.stage1_steps) < 0 or given.get("sft_batch", 1) < 1
+            or not given.get("sft_lr", 1) > 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1):
+        p.error("--sft-steps and --stage1-steps must be >= 0, --stage2-steps, --eval-every, --eval-questions, --jobs, "
+                "--sft-batch >= 1, and --sft-lr > 0")
     if len(set(a.stage1_seeds)) != len(a.stage1_seeds) or len(set(a.seeds)) != len(a.seeds):
         p.error("--stage1-seeds and --seeds must not repeat a seed")
     return a
@@ -345,6 +351,13 @@ def stage1_report(s1_done, stage1, exp_out, show):
     return passed
 
 
+def cold_start(a, kind):
+    """mgrpo.py's cold-start options for a stage 1 of this kind ("system" or "single"): the ones given, else
+    STAGE1's."""
+    own = {key: STAGE1[kind][key] if getattr(a, key) is None else getattr(a, key) for key in STAGE1[kind]}
+    return ["--sft-steps", str(own["sft_steps"]), "--sft-batch", str(own["sft_batch"]), "--sft-lr", str(own["sft_lr"])]
+
+
 def main(argv=None):
     a = parse(argv)
     if a.recompute:
@@ -361,13 +374,12 @@ def main(argv=None):
         shape = [x for key in ("--max-sub", "--main-max-turns") if key in stage2
                  for x in (key, stage2[stage2.index(key) + 1])]
         base = ["--level", "1", "--train-levels", a.stage1_levels, *shape, "--model-size", a.model_size,
-                "--sft-levels", a.sft_levels, "--sft-steps", str(a.sft_steps), "--sft-batch", str(a.sft_batch),
-                "--sft-lr", str(a.sft_lr), "--sft-until", str(a.sft_until), "--steps", str(a.stage1_steps),
+                "--sft-levels", a.sft_levels, "--sft-until", str(a.sft_until), "--steps", str(a.stage1_steps),
                 "--eval-every", "0", "--seed", str(s1), *common]
         if any(arm != "single-agent" for arm in a.arms):
-            stage1[f"{s1_prefix}-seed{s1}-system"] = base
+            stage1[f"{s1_prefix}-seed{s1}-system"] = base + cold_start(a, "system")
         if "single-agent" in a.arms:
-            stage1[f"{s1_prefix}-seed{s1}-single"] = base + ["--mode", "single-agent"]
+            stage1[f"{s1_prefix}-seed{s1}-single"] = base + cold_start(a, "single") + ["--mode", "single-agent"]
     for arm in sorted(a.arms, key=lambda arm: arm == "single-agent"):
         for s1 in a.stage1_seeds:
             s1_name = f"{s1_prefix}-seed{s1}-" + ("single" if arm == "single-agent" else "system")

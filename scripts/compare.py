@@ -129,9 +129,9 @@ def parse(argv=None):
     if a.resume and not a.out:
         p.error("--resume needs the --out of the comparison to continue")
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
-    own = {"stage1_steps": STAGE1_STEPS, **EXPERIMENTS[a.experiment][2]}
+    own = EXPERIMENTS[a.experiment][2]
     a.sft_levels = a.sft_levels or own["sft_levels"]
-    a.stage1_steps = own["stage1_steps"] if a.stage1_steps is None else a.stage1_steps
+    a.stage1_steps = own.get("stage1_steps", STAGE1_STEPS) if a.stage1_steps is None else a.stage1_steps
     a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:
         a.stage1_seeds, a.seeds = a.stage1_seeds[:2], a.seeds[:2]
@@ -140,9 +140,11 @@ def parse(argv=None):
         a.eval_every, a.eval_questions = 2, 16
     if not 0 <= a.sft_until <= 1:
         p.error("--sft-until is a success rate, in [0, 1]")
-    given = {key: getattr(a, key) for key in STAGE1["system"] if getattr(a, key) is not None}
-    if (min(given.get("sft_steps", 0), a.stage1_steps) < 0 or given.get("sft_batch", 1) < 1
-            or not given.get("sft_lr", 1) > 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1):
+    # each kind's cold start: the options given, else STAGE1's
+    a.cold = {kind: {key: value if getattr(a, key) is None else getattr(a, key) for key, value in defaults.items()}
+              for kind, defaults in STAGE1.items()}
+    if (any(c["sft_steps"] < 0 or c["sft_batch"] < 1 or not c["sft_lr"] > 0 for c in a.cold.values())
+            or a.stage1_steps < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1):
         p.error("--sft-steps and --stage1-steps must be >= 0, --stage2-steps, --eval-every, --eval-questions, --jobs, "
                 "--sft-batch >= 1, and --sft-lr > 0")
     if len(set(a.stage1_seeds)) != len(a.stage1_seeds) or len(set(a.seeds)) != len(a.seeds):
@@ -352,10 +354,9 @@ def stage1_report(s1_done, stage1, exp_out, show):
 
 
 def cold_start(a, kind):
-    """mgrpo.py's cold-start options for a stage 1 of this kind ("system" or "single"): the ones given, else
-    STAGE1's."""
-    own = {key: STAGE1[kind][key] if getattr(a, key) is None else getattr(a, key) for key in STAGE1[kind]}
-    return ["--sft-steps", str(own["sft_steps"]), "--sft-batch", str(own["sft_batch"]), "--sft-lr", str(own["sft_lr"])]
+    """mgrpo.py's cold-start options for a stage 1 of this kind ("system" or "single")."""
+    c = a.cold[kind]
+    return ["--sft-steps", str(c["sft_steps"]), "--sft-batch", str(c["sft_batch"]), "--sft-lr", str(c["sft_lr"])]
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agents import add_adapter, load_agent, message_ids, new_traj, share_base
+from agents import add_adapter, build_model, load_agent, message_ids, new_traj, share_base
 from checkpoints import load_reference, save_checkpoint, save_frozen
 from run import agent_kinds, exit_with_parent, levels, load_task
 from sampling import collate, token_logprobs
@@ -117,20 +117,35 @@ def cold_start_all(agents, steps, args, task, more=0):
     return losses
 
 
+def fresh_weights(agents, given, args, rnd):
+    """Round `rnd` > 0, after a failed check: each agent built here starts again from new random weights
+    (an init seed of the round's own). Rounds that went on from a stalled tiny model's weights never
+    moved its check; a new draw of the init does (docs/stage1.md). A model given by name or path,
+    already pretrained, goes on from where it is."""
+    for n, a in agents.items():
+        if not given[n]:
+            with torch.random.fork_rng(devices=[]):  # the run's own RNG streams stay as they were
+                fresh = build_model(a.tok, args.model_size, args.chat, stable_seed(args.seed, "init", n, rnd))
+            a.model.load_state_dict(fresh.state_dict())
+
+
 def cold_start_checked(agents, args, task, out, done, check):
     """The cold start, then (--sft-until) its check: check(level), the system's greedy success on
-    held-out questions of each demo level; below the bar, another round on new demos, at most 3 more,
-    each after a checkpoint (`done`: rounds a resumed run has behind it). The outcome goes to
-    <out>/sft_check.json (and so into summary.json)."""
+    held-out questions of each demo level; below the bar, another round on new demos, from fresh
+    weights (fresh_weights), at most 3 more, each after a checkpoint (`done`: rounds a resumed run has
+    behind it). The outcome goes to <out>/sft_check.json (and so into summary.json)."""
     given = {"main": args.main_model, "sub": args.sub_model}
     steps = cold_start_steps(args, {n: given[n] for n in agents})
     if not any(steps.values()) or (done and not args.sft_until):  # resumed without --sft-until: rounds done
         return
     for more in range(done, 4 if args.sft_until else 1):
         t0 = time.time()
+        if more:
+            fresh_weights(agents, given, args, more)
         losses = cold_start_all(agents, steps, args, task, more)
-        print("cold start on noisy demos" + " (more)" * (more > 0) + ", final loss " + " ".join(
-            f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)", flush=True)
+        print("cold start on noisy demos" + f" (round {more + 1}, from fresh weights)" * (more > 0) + ", final loss "
+              + " ".join(f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)",
+              flush=True)
         if not args.sft_until:
             return
         result = {lv: check(lv) for lv in sorted(set(levels(args.sft_levels, args.level)))}

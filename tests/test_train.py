@@ -20,7 +20,7 @@ import helpers
 import mgrpo
 import tools
 import toy_tools
-from agents import prompt_ids
+from agents import prompt_ids, word_tokenizer
 from checkpoints import checkpoints
 from cold_start import encode_demo
 
@@ -108,7 +108,7 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
 
 def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_path, capsys, monkeypatch):
     """--sft-until: greedy success per demo level, on held-out questions that evaluations never use,
-    after the cold start; below the bar, another --sft-steps on new demos, at most 3 times."""
+    after the cold start; below the bar, another --sft-steps on new demos from fresh weights, at most 3 times."""
     calls, score = [], [0.0]
 
     def fake_evaluate(main, args, task, delegate, search, greedy=False, first=mgrpo.EVAL_SEED):
@@ -118,7 +118,8 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     base = ["--steps", "0", "--sft-steps", "5", "--model-size", "0.1M", "--sft-levels", "1,2", "--eval-questions", "8"]
     summary = mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "never")])
     out = capsys.readouterr().out
-    assert out.count("cold start on noisy demos (more)") == 3 and out.count("cold-start check") == 4
+    assert out.count("from fresh weights), final loss") == 3 and out.count("cold-start check") == 4
+    assert all(f"(round {r}, from fresh weights)" in out for r in (2, 3, 4))
     assert out.count("below --sft-until: going on") == 3 and out.count("below --sft-until") == 4
     assert "did not reach --sft-until" in out
     assert summary["sft_check"] == {"passed": False, "rounds": 4, "greedy": {"1": 0.0, "2": 0.0}}
@@ -130,7 +131,8 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     assert mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "passes")])["sft_check"]["rounds"] == 1
     assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off")])
     out = capsys.readouterr().out
-    assert "(more)" not in out and out.count("cold-start check") == 1 and out.count("cold start on noisy demos") == 2
+    assert "fresh weights" not in out
+    assert out.count("cold-start check") == 1 and out.count("cold start on noisy demos") == 2
     assert len([c for c in calls if c[3] != mgrpo.EVAL_SEED]) == 2
     # garbage in a run folder's sft_check.json is a warning, not a crash; an earlier run's is not reported
     (tmp_path / "off" / "sft_check.json").write_text("{ not json")
@@ -138,6 +140,38 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     assert "sft_check.json cannot be read" in capsys.readouterr().out
     (tmp_path / "off" / "sft_check.json").write_text((tmp_path / "passes" / "sft_check.json").read_text())
     assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off"), "--overwrite"])  # not its check
+
+
+def test_a_round_after_a_failed_check_starts_from_fresh_weights(tmp_path, monkeypatch):
+    """Each round after a failed check starts an agent built here from new random weights, drawn from
+    a seed of the round's own, not from the stalled weights of the round before; a given model (a
+    path) goes on from where its last round left it."""
+    monkeypatch.setattr(mgrpo, "evaluate", lambda *a, **k: 0.0)  # never passes: four rounds
+    starts, ends, real = [], [], cold_start.cold_start
+
+    def recorded(agent, kind, args, task, seed, steps):
+        starts.append((kind, {k: v.clone() for k, v in agent.model.state_dict().items()}))
+        loss = real(agent, kind, args, task, seed, steps)
+        ends.append((kind, {k: v.clone() for k, v in agent.model.state_dict().items()}))
+        return loss
+    monkeypatch.setattr(cold_start, "cold_start", recorded)
+    base = ["--steps", "0", "--sft-steps", "3", "--sft-batch", "2", "--model-size", "0.1M", "--sft-until", "0.9",
+            "--eval-every", "0"]
+    mgrpo.main(base + ["--out", str(tmp_path / "built")])
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    assert [k for k, _ in starts] == ["main", "sub"] * 4
+    tok = word_tokenizer(toy_tools.WORDS)
+    for i, (kind, w) in enumerate(starts[2:], 2):
+        fresh = cold_start.build_model(tok, "0.1M", False, tools.stable_seed(1, "init", kind, i // 2))
+        w_new = fresh.state_dict()
+        assert same(w, w_new) and not same(w, ends[i - 2][1])  # new weights, not the last round's
+    assert not same(starts[2][1], starts[0][1])  # a new draw, not the first round's init again
+    # a given model: each round goes on from the weights the round before left
+    mgrpo.main(["--steps", "0", "--sft-steps", "1", "--model-size", "0.1M", "--out", str(tmp_path / "given")])
+    starts.clear(), ends.clear()
+    given = str(tmp_path / "given" / "main")
+    mgrpo.main(base + ["--main-model", given, "--sub-model", given, "--out", str(tmp_path / "from-given")])
+    assert len(starts) == 8 and all(same(starts[i][1], ends[i - 2][1]) for i in range(2, 8))
 
 
 @pytest.mark.slow

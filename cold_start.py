@@ -119,9 +119,9 @@ def cold_start_all(agents, steps, args, task, more=0):
 
 def fresh_weights(agents, given, args, rnd):
     """Round `rnd` > 0, after a failed check: each agent built here starts again from new random weights
-    (an init seed of the round's own). Rounds that went on from a stalled tiny model's weights never
-    moved its check; a new draw of the init does (docs/stage1.md). A model given by name or path,
-    already pretrained, goes on from where it is."""
+    (an init seed of the round's own): rounds that went on from a stalled tiny model's weights did not
+    move its check (docs/stage1.md), so another round is a new draw instead. A model given by name or
+    path, already pretrained, goes on from where it is."""
     for n, a in agents.items():
         if not given[n]:
             with torch.random.fork_rng(devices=[]):  # the run's own RNG streams stay as they were

@@ -52,6 +52,22 @@ def first_search(agent, traj):
     return m and (m.group(1) or m.group(2))
 
 
+def miss_places(qs, trajs):
+    """Where the fact that each missed sub-task asks for stands in the result list of a search for the
+    sub-task's entity (0: first): {place: misses}. A model that misses every fact at the head of a long
+    list, and no other, copies only from so far back (docs/stage1.md)."""
+    places = {}
+    for q, t in zip(qs, trajs):
+        if toy_tools.expert_score(q, t.task, t.result):
+            continue
+        rel, e = toy_tools.parse_subtask(t.task)
+        fact = toy_tools.fact_text(rel, e, toy_tools.knowledge_base(q.seed, q.level)[(rel, e)])
+        facts = [r["content"] for r in toy_tools.search_results(q.seed, q.level, e)]
+        place = facts.index(fact) if fact in facts else -1  # -1: not in the list
+        places[place] = places.get(place, 0) + 1
+    return places
+
+
 def perfect_sub_agent(tasks, questions, seed, greedy):
     """A sub-agent that returns the true fact of each well-formed sub-task, and 'none' else."""
     out = []
@@ -81,6 +97,30 @@ def single_agent_misses(agent, args, n=200):
         print(f"  level {level}: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())), flush=True)
 
 
+def probe_sub(sub, args):
+    """The sub-agent on 200 held-out sub-tasks per hop and level: its expert score, greedy and sampled,
+    the share of first searches for the sub-task's own entity, and where the facts it missed stood."""
+    misses = {}
+    for level in sorted(toy_tools.N_SNIPPETS):
+        qs, tasks = sub_tasks(level)
+        scores, copied, misses[level] = [], [], {}
+        for rel, ts in tasks.items():
+            acc = []
+            for greedy in (True, False):
+                trajs = mgrpo.run_sub_agents(sub, args, toy_tools.ToySearch(), ts, qs, seed=0, greedy=greedy)
+                acc.append(sum(toy_tools.expert_score(q, t.task, t.result) for q, t in zip(qs, trajs)) / len(qs))
+                if greedy:
+                    for place, n in miss_places(qs, trajs).items():
+                        misses[level][place] = misses[level].get(place, 0) + n
+                    copied.append(sum(first_search(sub, t) == task.split()[-1] for t, task in zip(trajs, ts)))
+            scores.append(f"{rel} {acc[0]:.2f} / {acc[1]:.2f}")
+        print(f"  level {level}: " + ", ".join(scores) + f" (greedy, first search for the sub-task's own "
+              f"entity: {sum(copied) / len(qs) / len(copied):.2f})", flush=True)
+    print("sub-agent's greedy misses by the place of the asked fact in its result list (0: first):")
+    for level, places in misses.items():
+        print(f"  level {level}: " + (", ".join(f"{p}: {n}" for p, n in sorted(places.items())) or "none"))
+
+
 def main(argv=None):
     args = mgrpo.parse_args(argv)
     if args.task != "toy_tools":
@@ -96,30 +136,17 @@ def main(argv=None):
     agents = {"main": load_agent(args.main_model, args, toy_tools, seed=args.seed),
               "sub": load_agent(args.sub_model, args, toy_tools, seed=args.seed + 1)}
     cold_start.cold_start_all(agents, steps, args, toy_tools)
-    sub = agents["sub"]
-    search = toy_tools.ToySearch()
     what = [f"from {args.main_model or 'a new model'} and {args.sub_model or 'a new model'}"]
     if any(steps.values()):
         what.append(f"after {' / '.join(map(str, steps.values()))} cold-start steps (main / sub; levels "
                     f"{args.sft_levels or args.level}, lr {args.sft_lr}, seed {args.seed})")
     print(f"agents {' '.join(what)}, {time.time() - t0:.0f}s\nsub-agent, expert score greedy / sampled:")
-    for level in sorted(toy_tools.N_SNIPPETS):
-        qs, tasks = sub_tasks(level)
-        scores, copied = [], []
-        for rel, ts in tasks.items():
-            acc = []
-            for greedy in (True, False):
-                trajs = mgrpo.run_sub_agents(sub, args, search, ts, qs, seed=0, greedy=greedy)
-                acc.append(sum(toy_tools.expert_score(q, t.task, t.result) for q, t in zip(qs, trajs)) / len(qs))
-                if greedy:
-                    copied.append(sum(first_search(sub, t) == task.split()[-1] for t, task in zip(trajs, ts)))
-            scores.append(f"{rel} {acc[0]:.2f} / {acc[1]:.2f}")
-        print(f"  level {level}: " + ", ".join(scores) + f" (greedy, first search for the sub-task's own "
-              f"entity: {sum(copied) / len(qs) / len(copied):.2f})", flush=True)
+    probe_sub(agents["sub"], args)
     print("main agent with a perfect sub-agent, success greedy / sampled:")
     for level in sorted(toy_tools.N_SNIPPETS):
         args.level, args.eval_questions = level, 200
-        acc = [mgrpo.evaluate(agents["main"], args, toy_tools, perfect_sub_agent, None, greedy) for greedy in (True, False)]
+        acc = [mgrpo.evaluate(agents["main"], args, toy_tools, perfect_sub_agent, None, greedy)
+               for greedy in (True, False)]
         print(f"  level {level}: {acc[0]:.2f} / {acc[1]:.2f}", flush=True)
 
 

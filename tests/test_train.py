@@ -347,9 +347,14 @@ def test_sub_probe_script_runs():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
     i = lines.index("sub-agent, expert score greedy / sampled:")
-    assert [line.split(":")[0] for line in lines[i + 1:]] == ["  level 1", "  level 2", "  level 3",
-                                                              "main agent with a perfect sub-agent, success greedy / sampled",
-                                                              "  level 1", "  level 2", "  level 3"]
+    assert [line.split(":")[0] for line in lines[i + 1:]] == [
+        "  level 1", "  level 2", "  level 3",
+        "sub-agent's greedy misses by the place of the asked fact in its result list (0", "  level 1", "  level 2",
+        "  level 3", "main agent with a perfect sub-agent, success greedy / sampled", "  level 1", "  level 2", "  level 3"]
+    for line in lines[i + 5:i + 8]:  # misses by place: none, or place: count pairs whose places are in a list
+        places = line.split(": ", 1)[1]
+        assert places == "none" or all(-1 <= int(p) < 12 and int(n) > 0 for p, n in
+                                        (pair.split(": ") for pair in places.split(", ")))
     assert lines[i + 2].startswith("  level 2: friend ") and lines[i + 3].startswith("  level 3: friend1 0")
     for line in lines[-3:]:  # M with a perfect S: two shares in [0, 1]
         assert all(0 <= float(x) <= 1 for x in line.split(":")[1].split("/"))

@@ -171,11 +171,7 @@ def build_model(tok, size, chat, seed):
                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     if chat:
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(max_position_embeddings=4096, **cfg))
-    # RoPE base 1e5, not Llama's 1e4: at 1e4, some inits learned to copy a fact only from up to ~43 tokens
-    # back, never one at the head of a level-3 result list; at 1e6 some copied the wrong city (docs/stage1.md)
-    rope = {"rope_type": "default", "rope_theta": 1e5}
-    config = transformers.LlamaConfig(max_position_embeddings=256, rope_parameters=rope, **cfg)
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(max_position_embeddings=256, **cfg))
 
 
 def checkpoint_activations(model, name):

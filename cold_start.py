@@ -4,8 +4,9 @@ The paper's agents start from pretrained models, which already write the action 
 built in code know nothing, and RL alone never finds the format. So each agent first learns it by
 cross-entropy on the task's scripted demos, made deliberately noisy (each entity replaced by a
 random one with probability --demo-noise), on the tokens the agent would sample (mask 1). With
---sft-until the system is then checked on held-out questions, and trained more, round by round,
-until it passes. A model given by name or path gets no cold start unless --sft-steps asks for one.
+--sft-until the system is then checked on held-out questions and, round by round until it passes,
+trained again (a model built here from fresh weights). A model given by name or path gets no cold
+start unless --sft-steps asks for one.
 """
 import json
 import math

@@ -101,7 +101,8 @@ class Args:
     sft_bare: float = arg(0.0, "chat models: share of the cold start's first steps with bare demos "
                           "(no system prompt): a tiny model learns to copy from its task faster")
     sft_until: float = arg(0.0, "after the cold start, the system's greedy success on 256 held-out "
-                           "questions per --sft-levels level; below it, another round (at most 3)")
+                           "questions per --sft-levels level; below it, another round (at most 3), a model built "
+                           "here from fresh weights")
     demo_noise: float = arg(0.1, "probability that a demo replaces an entity by a random one")
     eval_questions: int = arg(-1, "held-out questions per evaluation; -1: 256 (given, chat: 32)")
     eval_every: int = arg(50, "evaluate every N steps, and before and after RL; 0: only those")

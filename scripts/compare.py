@@ -84,12 +84,13 @@ def parse(argv=None):
                    help=f"arms to run, of {list(ARMS)}; default: the experiment's two")
     p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3], help="one stage 1 per seed")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
-    p.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (stage 1), and the size of each "
-                   f"continuation that --sft-until asks for; None: {STAGE1['system']['sft_steps']} for "
+    p.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (stage 1), in each round that "
+                   f"--sft-until asks for; None: {STAGE1['system']['sft_steps']} for "
                    f"the system, {STAGE1['single']['sft_steps']} for the single agent")
     p.add_argument("--sft-until", type=float, default=0.95,
-                   help="the cold start goes on (at most 3 times) until the system's greedy success on held-out "
-                        "questions of each demo level reaches this (mgrpo.py --sft-until); 0: no check")
+                   help="the cold start runs again from fresh weights (at most 3 times) until the system's greedy "
+                        "success on held-out questions of each demo level reaches this (mgrpo.py --sft-until); "
+                        "0: no check")
     p.add_argument("--sft-levels", default="",
                    help="levels of the cold-start demos, in turn; empty: the experiment's (paper, unsync: 1,2,2: "
                         "two level-2 demos per level-1 one; single: 1,2,3)")

@@ -168,7 +168,8 @@ def test_a_round_after_a_failed_check_starts_from_fresh_weights(tmp_path, monkey
     assert not same(starts[2][1], starts[0][1])  # a new draw, not the first round's init again
     # a given model: each round goes on from the weights the round before left
     mgrpo.main(["--steps", "0", "--sft-steps", "1", "--model-size", "0.1M", "--out", str(tmp_path / "given")])
-    starts.clear(), ends.clear()
+    starts.clear()
+    ends.clear()
     given = str(tmp_path / "given" / "main")
     mgrpo.main(base + ["--main-model", given, "--sub-model", given, "--out", str(tmp_path / "from-given")])
     assert len(starts) == 8 and all(same(starts[i][1], ends[i - 2][1]) for i in range(2, 8))

@@ -14,6 +14,8 @@ import toy_tools
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: trains or runs whole processes (the fast tier: -m 'not slow')")
+    config.addinivalue_line("markers", "stage1: whole stage 1s, up to an hour; run only when -m names them "
+                                       "(python -m pytest -q -m stage1 tests)")
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +36,12 @@ def _uses(item, names):
     return any(n in item.fixturenames for n in names)
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    if "stage1" not in (config.getoption("markexpr") or ""):  # the stage-1 tier is asked for by name
+        tier = [item for item in items if item.get_closest_marker("stage1")]
+        if tier:
+            config.hook.pytest_deselected(items=tier)
+            items[:] = [item for item in items if not item.get_closest_marker("stage1")]
     for item in items:  # a test that needs the trained cold start or a long run is slow
         if _uses(item, ["cold_start_dir", *LONG_RUNS]):
             item.add_marker(pytest.mark.slow)

@@ -1,6 +1,6 @@
 """The stage-1 tier: the cold start that stands in for a pretrained model passes its check
 (--sft-until 0.95 on every demo level) within one retry, for each kind of stage 1 at the levels the
-comparisons use. A change that makes stage 1 a lottery over the init again fails here.
+comparisons use. Once the cold start is reliable, a change that makes it a lottery again fails here.
 
 Whole stage 1s run as scripts/compare.py runs them, each for a seed whose stage 1 stalled in the
 runs of docs/stage1.md, before a retry started from fresh weights. At the default 0.4M models the

@@ -47,12 +47,21 @@ def encode_demo(agent, msgs, kind):
     return t
 
 
+def sft_rate(i, steps, warmup):
+    """The cold start's learning rate at step i of `steps`, as a share of --sft-lr: a linear rise over the
+    first `warmup` share of the steps, times a cosine decay. Without the rise, AdamW's first full-size
+    steps on random weights left a tiny sub-agent blind to facts at a few places of its result lists, on
+    most init seeds (docs/stage1.md)."""
+    rise = max(1, round(warmup * steps))
+    return min(1.0, (i + 1) / rise) * 0.5 * (1 + math.cos(math.pi * i / steps))
+
+
 def cold_start(agent, kind, args, task, seed, steps):
-    """`steps` steps of cross-entropy on the mask-1 tokens of fresh noisy demos, with a cosine decay;
+    """`steps` steps of cross-entropy on the mask-1 tokens of fresh noisy demos, at the rate of sft_rate;
     the loss and the time left printed now and then. A non-finite loss stops the run before any
     checkpoint holds the broken weights. Returns the last loss."""
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
+    cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     t0, loss = time.time(), torch.tensor(0.0)
     # --sft-bare: a tiny model behind a system prompt of hundreds of tokens takes many times longer to learn to

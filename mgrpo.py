@@ -98,6 +98,8 @@ class Args:
     sft_levels: str = arg("", "cold-start demos' levels, in turn, e.g. '1,2'; empty: --level")
     sft_batch: int = arg(64, "demos per cold-start step, per agent")
     sft_lr: float = arg(1.5e-3, "cold-start learning rate")
+    sft_warmup: float = arg(0.05, "share of the cold start's first steps over which its learning rate rises "
+                            "linearly to --sft-lr, before the cosine decay (docs/stage1.md)")
     sft_bare: float = arg(0.0, "chat models: share of the cold start's first steps with bare demos "
                           "(no system prompt): a tiny model learns to copy from its task faster")
     sft_until: float = arg(0.0, "after the cold start, the system's greedy success on 256 held-out "

@@ -1,6 +1,7 @@
 """Tokens, masks and log-probs of real (tiny) Hugging Face models; rollouts on bad output."""
 import copy
 import functools
+import math
 import random
 
 import pytest
@@ -192,3 +193,26 @@ def test_sft_bare_leaves_the_system_prompt_out_of_the_first_steps_only(monkeypat
     texts = [agent.tok.decode(t.ids) for t in seen]
     assert [toy_tools.SYSTEM["sub"] in s for s in texts] == [False] * 4 + [True] * 4
     assert all("helpful assistant" in s for s in texts[:4])
+
+
+def test_the_cold_start_rate_rises_over_its_warmup_then_decays():
+    """sft_rate: a linear rise over --sft-warmup's share of the steps, then the cosine; with no warm-up,
+    the cosine alone (the schedule before it)."""
+    import cold_start
+    rate = [cold_start.sft_rate(i, 1200, 0.05) for i in range(1200)]
+    assert rate[0] == pytest.approx(1 / 60) and rate[59] > 0.99
+    assert all(a < b for a, b in zip(rate[:60], rate[1:60])) and all(a > b for a, b in zip(rate[60:], rate[61:]))
+    assert rate[-1] < 1e-5
+    assert [cold_start.sft_rate(i, 40, 0.0) for i in range(40)] == pytest.approx(
+        [0.5 * (1 + math.cos(math.pi * i / 40)) for i in range(40)])
+
+
+def test_the_cold_start_steps_at_that_rate(monkeypatch):
+    """The optimizer's learning rate at each of the cold start's steps is --sft-lr times sft_rate."""
+    import cold_start
+    args = mgrpo.parse_args(["--model-size", "0.1M", "--sft-batch", "2", "--sft-lr", "1e-3", "--sft-warmup", "0.5"])
+    agent, seen, real = helpers.load_agent("", args, 0), [], torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda opt: seen.append(opt.param_groups[0]["lr"]) or real(opt))
+    cold_start.cold_start(agent, "sub", args, toy_tools, 0, 4)
+    assert seen == pytest.approx([1e-3 * cold_start.sft_rate(i, 4, 0.5) for i in range(4)])
+    assert seen[0] < seen[1]

@@ -91,8 +91,9 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
                       (["--sft-levels", "1,x"], "--sft-levels and --train-levels must list levels"),
                       (["--train-levels", "2,"], "--sft-levels and --train-levels must list levels"),
                       (["--train-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
-                      (["--sft-until", "1.5"], "--sft-until and --sft-bare are shares"),
-                      (["--sft-bare", "-0.1"], "--sft-until and --sft-bare are shares"),
+                      (["--sft-until", "1.5"], "--sft-warmup are shares"),
+                      (["--sft-bare", "-0.1"], "--sft-warmup are shares"),
+                      (["--sft-warmup", "2"], "--sft-warmup are shares"),
                       (["--report-to", "mlflow"], "--report-to must be tensorboard or wandb"),
                       (["--sft-until", "0.9", "--role", "sub", "--store", "s"], "it needs --role both"),
                       (["--sft-until", "0.9", "--sft-steps", "0"], "it needs --sft-steps > 0")]:

@@ -61,7 +61,7 @@ def cold_start(agent, kind, args, task, seed, steps):
     the loss and the time left printed now and then. A non-finite loss stops the run before any
     checkpoint holds the broken weights. Returns the last loss."""
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    cosine = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     t0, loss = time.time(), torch.tensor(0.0)
     # --sft-bare: a tiny model behind a system prompt of hundreds of tokens takes many times longer to learn to
@@ -82,7 +82,7 @@ def cold_start(agent, kind, args, task, seed, steps):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
         opt.step()
-        cosine.step()
+        schedule.step()
         if (i + 1) % max(1, steps // 4) == 0 and i + 1 < steps:
             print(f"  cold start {kind}: step {i + 1}/{steps}, loss {loss.item():.3f}, about "
                   f"{(time.time() - t0) / (i + 1) * (steps - i - 1):.0f}s left", flush=True)

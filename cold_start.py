@@ -56,6 +56,17 @@ def sft_rate(i, steps, warmup):
     return min(1.0, (i + 1) / rise) * 0.5 * (1 + math.cos(math.pi * i / steps))
 
 
+def jittered_positions(attn, mask, share, gen):
+    """Position ids for a cold-start batch: in a `share` of the rows, chosen at random, each token the
+    agent did not write (mask 0: prompt, tool output) moves the positions after it one further with
+    probability 1/2. Trained on a result list whose facts stand a fixed number of tokens apart, a tiny
+    model learned to read them by their distance back, and was blind at a few distances (docs/stage1.md);
+    the other rows keep the plain positions that rollouts use."""
+    rows = torch.rand(len(attn), 1, generator=gen) < share
+    skip = rows & (mask == 0) & (torch.rand(attn.shape, generator=gen) < 0.5)
+    return ((attn + skip.long() * attn).cumsum(-1) - 1).clamp(min=0)
+
+
 def cold_start(agent, kind, args, task, seed, steps):
     """`steps` steps of cross-entropy on the mask-1 tokens of fresh noisy demos, at the rate of sft_rate;
     the loss and the time left printed now and then. A non-finite loss stops the run before any
@@ -63,6 +74,7 @@ def cold_start(agent, kind, args, task, seed, steps):
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
+    gen = torch.Generator().manual_seed(seed)
     t0, loss = time.time(), torch.tensor(0.0)
     # --sft-bare: a tiny model behind a system prompt of hundreds of tokens takes many times longer to learn to
     # copy a name from its task; learned on bare demos first, the copy carries over in ~100 steps
@@ -72,10 +84,12 @@ def cold_start(agent, kind, args, task, seed, steps):
         for _ in range(args.sft_batch):  # a question, then its demo, from the one rng; one level per step,
             q = task.make_question(rng.randrange(2 ** 31), mix[i % len(mix)])  # padded to its own length
             demos.append(encode_demo(enc, task.demo(q, rng, args.demo_noise, kind, agent.chat), kind))
-        ids, attn, mask, _ = collate(demos, agent.pad_id, agent.model.device)
+        ids, attn, mask, _ = collate(demos, agent.pad_id, "cpu")
+        pos = jittered_positions(attn, mask, args.sft_jitter, gen).to(agent.model.device) if args.sft_jitter else None
+        ids, attn, mask = (x.to(agent.model.device) for x in (ids, attn, mask))
         agent.model.train(args.grad_checkpointing)
         with agent.autocast():
-            loss = -token_logprobs(agent.model, ids, attn, mask).sum() / mask.sum()
+            loss = -token_logprobs(agent.model, ids, attn, mask, pos).sum() / mask.sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} in the cold start of {kind}, step {i + 1}")
         opt.zero_grad(set_to_none=True)

@@ -100,6 +100,9 @@ class Args:
     sft_lr: float = arg(1.5e-3, "cold-start learning rate")
     sft_warmup: float = arg(0.05, "share of the cold start's first steps over which its learning rate rises "
                             "linearly to --sft-lr, before the cosine decay (docs/stage1.md)")
+    sft_jitter: float = arg(0.0, "share of the cold start's demos whose positions skip ahead at random in the "
+                            "text the agent reads, so that it learns to find a fact by what it says, not how far "
+                            "back it stands (docs/stage1.md)")
     sft_bare: float = arg(0.0, "chat models: share of the cold start's first steps with bare demos "
                           "(no system prompt): a tiny model learns to copy from its task faster")
     sft_until: float = arg(0.0, "after the cold start, the system's greedy success on 256 held-out "

@@ -314,7 +314,7 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
     return out
 
 
-def token_logprobs(model, ids, attn, mask=None):
+def token_logprobs(model, ids, attn, mask=None, pos=None):
     """logp[b, t] = log p(ids[b, t] | ids[b, :t]), and 0 at padding and at each row's first
     token (nothing predicts it). Any padding side: position ids come from the attention mask,
     so a padded row is scored as if it were unpadded; the state at t-1 predicts the token at t.
@@ -324,9 +324,10 @@ def token_logprobs(model, ids, attn, mask=None):
     A prompt that all rows share (MIN_PREFIX tokens or more) goes through the model once, on one
     row, and its KV is repeated for the others: the same log-probs, and gradients summed over the
     rows through the repeat, for a fraction of the work when the prompt is most of each row (chat
-    models). Not with gradient checkpointing, which drops the cache in training."""
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    n = min(common_prefix(ids, attn), ids.shape[1] - 1)
+    models). Not with gradient checkpointing, which drops the cache in training. pos: position ids
+    of one's own (the cold start's jitter), with which rows share no prompt."""
+    n = min(common_prefix(ids, attn), ids.shape[1] - 1) if pos is None else 0
+    pos = (attn.cumsum(-1) - 1).clamp(min=0) if pos is None else pos
     keep = attn[:, 1:] * attn[:, :-1] * (1 if mask is None else mask[:, 1:])
     checkpointing = model.training and any(getattr(m, "gradient_checkpointing", False) is True
                                            for m in model.modules())

@@ -17,17 +17,20 @@ The probes of stage 1s in docs/compare-single.md come from it. It probes the toy
     python scripts/sub_probe.py --help     # any mgrpo.py option
 """
 import os
+import random
 import re
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import cold_start  # noqa: E402
 import mgrpo  # noqa: E402
 import toy_tools  # noqa: E402
 from agents import Traj, load_agent, new_traj  # noqa: E402
+from sampling import collate  # noqa: E402
 from tools import tool_calls  # noqa: E402
 
 
@@ -52,6 +55,15 @@ def first_search(agent, traj):
     return m and (m.group(1) or m.group(2))
 
 
+def fact_place(q, task):
+    """Where the fact that a sub-task asks for stands in the result list of a search for its entity
+    (0: first; -1: not in the list)."""
+    rel, e = toy_tools.parse_subtask(task)
+    fact = toy_tools.fact_text(rel, e, toy_tools.knowledge_base(q.seed, q.level)[(rel, e)])
+    facts = [r["content"] for r in toy_tools.search_results(q.seed, q.level, e)]
+    return facts.index(fact) if fact in facts else -1
+
+
 def miss_places(qs, trajs):
     """Where the fact that each missed sub-task asks for stands in the result list of a search for the
     sub-task's entity (0: first): {place: misses}. A model that misses every fact at the head of a long
@@ -60,10 +72,7 @@ def miss_places(qs, trajs):
     for q, t in zip(qs, trajs):
         if toy_tools.expert_score(q, t.task, t.result):
             continue
-        rel, e = toy_tools.parse_subtask(t.task)
-        fact = toy_tools.fact_text(rel, e, toy_tools.knowledge_base(q.seed, q.level)[(rel, e)])
-        facts = [r["content"] for r in toy_tools.search_results(q.seed, q.level, e)]
-        place = facts.index(fact) if fact in facts else -1  # -1: not in the list
+        place = fact_place(q, t.task)
         places[place] = places.get(place, 0) + 1
     return places
 
@@ -86,7 +95,7 @@ def single_agent_misses(agent, args, n=200):
         trajs = [new_traj(agent, "single", q.text) for q in qs]
         act = tool_calls(toy_tools.ToySearch(), qs, args.visit_max_chars, agent.chat)
         trajs = mgrpo.agent_loop(agent, "single", trajs, act, args.main_max_turns, 0, True)
-        seen = {}
+        seen, places = {}, {}
         for j, (t, q) in enumerate(zip(trajs, qs)):
             chain = [hop[j].split()[-1] for hop in tasks.values()]  # "city of bo": search "bo"
             asked = re.findall(r"<search> (\S+) </search>", agent.tok.decode(t.ids))
@@ -94,7 +103,56 @@ def single_agent_misses(agent, args, n=200):
             key = ("right" if t.ok and toy_tools.answer_correct(q, t.result) else
                    f"search {wrong + 1} asks for a wrong entity" if wrong is not None else "other")
             seen[key] = seen.get(key, 0) + 1
+            if wrong and key != "right":  # the misread fact's place in the list before (0: first)
+                places.setdefault(key, []).append(fact_place(q, list(tasks.values())[wrong - 1][j]))
         print(f"  level {level}: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())), flush=True)
+        for k, v in sorted(places.items()):
+            print(f"    {k}: the fact misread stood at places " + ", ".join(
+                f"{p} ({v.count(p)})" for p in sorted(set(v))) + " of its list", flush=True)
+
+
+def reads_by_distance(agent, kind, lengths=(8, 12), n=60):
+    """Whether the agent reads a person's fact by how far back it stands: for n level-2 questions, the
+    result list of the first search rebuilt with `length` facts (the list's own, then other country
+    facts) and the person's friend (or city) fact k facts from its end, for each k; the share of greedy
+    next words after "<think> X knows" ("X lives") that are the friend (the city). Each fact is 4
+    tokens, so k facts back is 4k tokens back."""
+    for rel in ("friend", "city"):
+        read = reads_of(agent, kind, rel, lengths, n)
+        for length in lengths:
+            print(f"  {rel}, list of {length}: " + ", ".join(f"{k} {sum(read[(length, k)]) / n:.2f}"
+                                                           for k in range(1, length + 1)), flush=True)
+
+
+def reads_of(agent, kind, rel, lengths, n):
+    """reads_by_distance's reads of one relation: {(length, k): [right or not, per question]}."""
+    read = {}
+    for i in range(n):
+        q = toy_tools.make_question(10 ** 6 + i, 2)
+        kb, x = toy_tools.knowledge_base(q.seed, 2), q.text.split()[-2]
+        fact = toy_tools.fact_text(rel, x, kb[(rel, x)])
+        facts = [r["content"] for r in toy_tools.search_results(q.seed, 2, x)]
+        others = [f for f in facts if f != fact] + [f for f in (toy_tools.fact_text(
+            "country", c, kb[("country", c)]) for c in toy_tools.CITIES) if f not in facts]
+        search = toy_tools.action_text("search", x)
+        msgs = toy_tools.single_demo(q, random.Random(i), 0.0)[:4] if kind == "single" else [
+            {"role": "user", "content": f"{rel} of {x}"}, {"role": "assistant", "content": search},
+            {"role": "tool", "content": ""}, {}]
+        msgs[3] = {"role": "assistant", "content": toy_tools.quote(fact)}  # the agent reads on from "X knows"
+        rows, at = [], []
+        for length in lengths:
+            for k in range(1, length + 1):
+                rest = others[:length - 1]
+                msgs[2] = {"role": "tool", "content": " ; ".join(rest[:length - k] + [fact] + rest[length - k:])}
+                t = cold_start.encode_demo(agent, msgs, kind)
+                rows.append(t)
+                at.append((length, k, [agent.tok.decode([j]) for j in t.ids].index("<think>") + 2))
+        ids, attn, _, _ = collate(rows, agent.pad_id, agent.model.device)
+        with torch.no_grad():
+            logits = agent.model(input_ids=ids, attention_mask=attn).logits
+        for r, (length, k, j) in enumerate(at):
+            read.setdefault((length, k), []).append(agent.tok.decode([int(logits[r, j].argmax())]) == kb[(rel, x)])
+    return read
 
 
 def probe_sub(sub, args):
@@ -132,7 +190,9 @@ def main(argv=None):
         agent = load_agent(args.main_model, args, toy_tools, seed=args.seed)
         cold_start.cold_start_all({"main": agent}, {"main": steps["main"]}, args, toy_tools)
         print("single agent, greedy, 200 held-out questions per level:")
-        return single_agent_misses(agent, args)
+        single_agent_misses(agent, args)
+        print("single agent, level 2's facts about a person read (greedy), by how many facts back they stand:")
+        return reads_by_distance(agent, "single")
     agents = {"main": load_agent(args.main_model, args, toy_tools, seed=args.seed),
               "sub": load_agent(args.sub_model, args, toy_tools, seed=args.seed + 1)}
     cold_start.cold_start_all(agents, steps, args, toy_tools)
@@ -142,6 +202,8 @@ def main(argv=None):
                     f"{args.sft_levels or args.level}, lr {args.sft_lr}, seed {args.seed})")
     print(f"agents {' '.join(what)}, {time.time() - t0:.0f}s\nsub-agent, expert score greedy / sampled:")
     probe_sub(agents["sub"], args)
+    print("sub-agent, level 2's facts about a person read (greedy), by how many facts back they stand:")
+    reads_by_distance(agents["sub"], "sub")
     print("main agent with a perfect sub-agent, success greedy / sampled:")
     for level in sorted(toy_tools.N_SNIPPETS):
         args.level, args.eval_questions = level, 200

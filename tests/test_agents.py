@@ -207,6 +207,57 @@ def test_the_cold_start_rate_rises_over_its_warmup_then_decays():
         [0.5 * (1 + math.cos(math.pi * i / 40)) for i in range(40)])
 
 
+def test_jittered_positions_skip_only_in_what_the_agent_reads_and_only_in_their_share_of_rows():
+    """--sft-jitter: in the chosen rows, a gap of one position before a token of mask 0 (prompt, tool
+    output) with probability 1/2, never before the agent's own tokens; the other rows, and every row
+    with share 0, keep the positions that rollouts use (from the attention mask, padding past the end)."""
+    import cold_start
+    attn = torch.ones(64, 40, dtype=torch.long)
+    attn[1::2, 30:] = 0  # right padding
+    mask = torch.zeros_like(attn)
+    mask[:, 12:18] = 1  # the agent's turn, between a prompt and a tool output
+    plain = (attn.cumsum(-1) - 1).clamp(min=0)
+    assert torch.equal(cold_start.jittered_positions(attn, mask, 0.0, torch.Generator().manual_seed(0)), plain)
+    pos = cold_start.jittered_positions(attn, mask, 1.0, torch.Generator().manual_seed(0))
+    step = pos[:, 1:] - pos[:, :-1]
+    real = attn[:, 1:].bool()
+    assert torch.all(step[real & (mask[:, 1:] == 1)] == 1)  # the agent's tokens keep their spacing
+    assert set(step[real & (mask[:, 1:] == 0)].tolist()) == {1, 2}  # what it reads skips ahead at random
+    assert 0.4 < (step[real & (mask[:, 1:] == 0)] == 2).float().mean() < 0.6
+    assert torch.all(step[~real] == 0)  # padding adds nothing
+    half = cold_start.jittered_positions(attn, mask, 0.5, torch.Generator().manual_seed(1))
+    moved = (half != plain).any(-1).float().mean()
+    assert 0.3 < moved < 0.7
+    assert torch.equal(half, cold_start.jittered_positions(attn, mask, 0.5, torch.Generator().manual_seed(1)))
+
+
+def test_token_logprobs_with_plain_positions_given_are_the_same(agents):
+    """token_logprobs(pos=...) scores as given; the positions rollouts use give the same log-probs, and
+    others do not."""
+    main, _ = agents
+    texts = ["country of ada ?", "country of friend of bo ? cork in midia ; bo lives cork"]
+    rows = [main.tok(t, add_special_tokens=False).input_ids for t in texts]
+    ids, attn, _, _ = collate([Traj(r, [1] * len(r), [0.0] * len(r)) for r in rows], main.pad_id, "cpu")
+    plain = (attn.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = token_logprobs(main.model, ids, attn)
+        same = token_logprobs(main.model, ids, attn, pos=plain)
+        moved = token_logprobs(main.model, ids, attn, pos=plain + (torch.arange(ids.shape[1]) > 3) * attn)
+    assert torch.allclose(ref, same, atol=1e-6)
+    assert not torch.allclose(ref[:, 5:], moved[:, 5:], atol=1e-3)
+
+
+def test_the_cold_start_trains_on_jittered_positions_only_when_asked(monkeypatch):
+    import cold_start
+    seen, real = [], cold_start.token_logprobs
+    monkeypatch.setattr(cold_start, "token_logprobs", lambda m, i, a, k, pos: seen.append(pos) or real(m, i, a, k, pos))
+    for share in (0.0, 1.0):
+        args = mgrpo.parse_args(["--model-size", "0.1M", "--sft-batch", "4", "--sft-jitter", str(share)])
+        cold_start.cold_start(helpers.load_agent("", args, 0), "sub", args, toy_tools, 0, 2)
+    assert seen[0] is None and seen[1] is None
+    assert all(p is not None and (p[:, 1:] - p[:, :-1]).max() == 2 for p in seen[2:]) and len(seen) == 4
+
+
 def test_the_cold_start_steps_at_that_rate(monkeypatch):
     """The optimizer's learning rate at each of the cold start's steps is --sft-lr times sft_rate."""
     import cold_start

@@ -63,6 +63,7 @@ def test_bad_options_fail_clearly(capsys):
                       (["--sft-batch", "0"], "--sft-batch"),
                       (["--sft-lr", "0"], "--sft-lr"),
                       (["--sft-steps", "-1"], "--sft-steps"),
+                      (["--sft-warmup", "1.5"], "--sft-warmup is a share"),
                       (["--experiment", "other"], "invalid choice")]:
         with pytest.raises(SystemExit):
             compare.parse(argv)
@@ -75,15 +76,18 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     assert (single.sft_levels, single.stage1_steps, single.stage1_levels) == ("1,2,3", 0, "1,2,3")
     # the cold start's rounds, per kind of stage 1 (docs/stage1.md), whatever the experiment
     for a in (paper, single):
-        assert compare.cold_start(a, "system") == ["--sft-steps", "1200", "--sft-batch", "64", "--sft-lr", "0.0015"]
-        assert compare.cold_start(a, "single") == ["--sft-steps", "2400", "--sft-batch", "32", "--sft-lr", "0.003"]
+        assert compare.cold_start(a, "system") == ["--sft-steps", "1200", "--sft-batch", "64", "--sft-lr", "0.0015",
+                                                   "--sft-warmup", "0.05"]
+        assert compare.cold_start(a, "single") == ["--sft-steps", "2400", "--sft-batch", "32", "--sft-lr", "0.003",
+                                                   "--sft-warmup", "0.05"]
     assert paper.model_size == single.model_size == "0.4M"  # stage 1 builds 4-layer models
     mine = compare.parse(["--experiment", "single", "--sft-steps", "10", "--stage1-steps", "5", "--sft-levels", "3",
-                          "--sft-batch", "8", "--sft-lr", "1e-3"])
+                          "--sft-batch", "8", "--sft-lr", "1e-3", "--sft-warmup", "0"])
     assert (mine.sft_levels, mine.sft_steps, mine.stage1_steps, mine.stage1_levels) == ("3", 10, 5, "3")
     for kind in ("system", "single"):
-        assert compare.cold_start(mine, kind) == ["--sft-steps", "10", "--sft-batch", "8", "--sft-lr", "0.001"]
-    assert compare.cold_start(compare.parse(["--sft-lr", "1e-3"]), "single")[-1] == "0.001"
+        assert compare.cold_start(mine, kind) == ["--sft-steps", "10", "--sft-batch", "8", "--sft-lr", "0.001",
+                                                  "--sft-warmup", "0.0"]
+    assert compare.cold_start(compare.parse(["--sft-lr", "1e-3"]), "single")[-3] == "0.001"
     # level 3 trains with gradients clipped at 0.1 in both arms, level 2 at mgrpo.py's default
     assert "--grad-clip" in compare.EXPERIMENTS["single"][1] and "--grad-clip" not in compare.EXPERIMENTS["paper"][1]
 

@@ -91,9 +91,10 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
                       (["--sft-levels", "1,x"], "--sft-levels and --train-levels must list levels"),
                       (["--train-levels", "2,"], "--sft-levels and --train-levels must list levels"),
                       (["--train-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
-                      (["--sft-until", "1.5"], "--sft-warmup are shares"),
-                      (["--sft-bare", "-0.1"], "--sft-warmup are shares"),
-                      (["--sft-warmup", "2"], "--sft-warmup are shares"),
+                      (["--sft-until", "1.5"], "--sft-jitter are shares"),
+                      (["--sft-bare", "-0.1"], "--sft-jitter are shares"),
+                      (["--sft-warmup", "2"], "--sft-jitter are shares"),
+                      (["--sft-jitter", "-1"], "--sft-jitter are shares"),
                       (["--report-to", "mlflow"], "--report-to must be tensorboard or wandb"),
                       (["--sft-until", "0.9", "--role", "sub", "--store", "s"], "it needs --role both"),
                       (["--sft-until", "0.9", "--sft-steps", "0"], "it needs --sft-steps > 0")]:
@@ -352,7 +353,9 @@ def test_sub_probe_script_runs():
     assert [line.split(":")[0] for line in lines[i + 1:]] == [
         "  level 1", "  level 2", "  level 3",
         "sub-agent's greedy misses by the place of the asked fact in its result list (0", "  level 1", "  level 2",
-        "  level 3", "main agent with a perfect sub-agent, success greedy / sampled", "  level 1", "  level 2", "  level 3"]
+        "  level 3", "sub-agent, level 2's friend fact read (greedy), by how many facts back it stands", "  list of 8",
+        "  list of 12", "main agent with a perfect sub-agent, success greedy / sampled", "  level 1", "  level 2",
+        "  level 3"]
     for line in lines[i + 5:i + 8]:  # misses by place: none, or place: count pairs whose places are in a list
         places = line.split(": ", 1)[1]
         assert places == "none" or all(-1 <= int(p) < 12 and int(n) > 0 for p, n in
@@ -366,12 +369,22 @@ def test_sub_probe_script_runs():
     r = subprocess.run([sys.executable, probe, "--mode", "single-agent", "--sft-steps", "2", "--main-max-turns", "5"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()[-3:]
-    for level, line in zip((1, 2, 3), lines):
+    lines = r.stdout.splitlines()
+    levels = [line for line in lines if line.startswith("  level ")]
+    for level, line in zip((1, 2, 3), levels):
         head, counts = line.split(": ", 1)
         kinds = dict(c.rsplit(" ", 1) for c in counts.split(", "))
         assert head == f"  level {level}" and sum(map(int, kinds.values())) == 200
         assert set(kinds) <= {"right", "other"} | {f"search {i} asks for a wrong entity" for i in range(1, level + 2)}
+    for line in lines:  # each wrong first search: the places of the facts misread, each in its list
+        if line.startswith("    search "):
+            assert all(-1 <= int(p.split()[0]) < 12 for p in line.split("stood at places ")[1][:-12].split(", "))
+    # the friend fact read, per distance back: k = 1 to the list's length, each a share
+    for length, line in zip((8, 12), lines[-2:]):
+        head, reads = line.split(": ", 1)
+        assert head == f"  list of {length}"
+        assert [int(r.split()[0]) for r in reads.split(", ")] == list(range(1, length + 1))
+        assert all(0 <= float(r.split()[1]) <= 1 for r in reads.split(", "))
 
 
 def test_sub_probe_reads_the_first_search_of_either_format():

@@ -353,9 +353,9 @@ def test_sub_probe_script_runs():
     assert [line.split(":")[0] for line in lines[i + 1:]] == [
         "  level 1", "  level 2", "  level 3",
         "sub-agent's greedy misses by the place of the asked fact in its result list (0", "  level 1", "  level 2",
-        "  level 3", "sub-agent, level 2's friend fact read (greedy), by how many facts back it stands", "  list of 8",
-        "  list of 12", "main agent with a perfect sub-agent, success greedy / sampled", "  level 1", "  level 2",
-        "  level 3"]
+        "  level 3", "sub-agent, level 2's facts about a person read (greedy), by how many facts back they stand",
+        "  friend, list of 8", "  friend, list of 12", "  city, list of 8", "  city, list of 12",
+        "main agent with a perfect sub-agent, success greedy / sampled", "  level 1", "  level 2", "  level 3"]
     for line in lines[i + 5:i + 8]:  # misses by place: none, or place: count pairs whose places are in a list
         places = line.split(": ", 1)[1]
         assert places == "none" or all(-1 <= int(p) < 12 and int(n) > 0 for p, n in
@@ -380,9 +380,9 @@ def test_sub_probe_script_runs():
         if line.startswith("    search "):
             assert all(-1 <= int(p.split()[0]) < 12 for p in line.split("stood at places ")[1][:-12].split(", "))
     # the friend fact read, per distance back: k = 1 to the list's length, each a share
-    for length, line in zip((8, 12), lines[-2:]):
+    for (rel, length), line in zip([(r, n) for r in ("friend", "city") for n in (8, 12)], lines[-4:]):
         head, reads = line.split(": ", 1)
-        assert head == f"  list of {length}"
+        assert head == f"  {rel}, list of {length}"
         assert [int(r.split()[0]) for r in reads.split(", ")] == list(range(1, length + 1))
         assert all(0 <= float(r.split()[1]) <= 1 for r in reads.split(", "))
 

@@ -7,7 +7,9 @@ answers right (r_expert), and the share whose first search asks for the sub-task
 perfect sub-agent (one that returns the true fact for any well-formed sub-task): its success
 shows whether it plans the hops and answers, apart from S. Greedy and sampled at temperature 1.
 With --mode single-agent: the single agent on 200 held-out questions per level, greedy, and
-for each failure the first search that asks for a wrong entity (the hop before was misread).
+for each failure the first search that asks for a wrong entity (the hop before was misread) and
+where the misread fact stood in its list. For the single agent and the sub-agent: whether it reads a
+person's fact at each distance back from the end of a list (reads_by_distance).
 The probes of stage 1s in docs/compare-single.md come from it. It probes the toy task only:
 
     python scripts/sub_probe.py --sft-levels 1,2,2,3

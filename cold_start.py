@@ -57,9 +57,9 @@ def sft_rate(i, steps, warmup):
 
 
 def jittered_positions(attn, mask, share, gen):
-    """Position ids for a cold-start batch: in a `share` of the rows, chosen at random, each token the
-    agent did not write (mask 0: prompt, tool output) moves the positions after it one further with
-    probability 1/2. Trained on a result list whose facts stand a fixed number of tokens apart, a tiny
+    """Position ids for a cold-start batch: in a `share` of the rows, chosen at random, a gap of one
+    position opens with probability 1/2 before each token the agent did not write (mask 0: prompt, tool
+    output). Trained on a result list whose facts stand a fixed number of tokens apart, a tiny
     model learned to read them by their distance back, and was blind at a few distances (docs/stage1.md);
     the other rows keep the plain positions that rollouts use."""
     rows = torch.rand(len(attn), 1, generator=gen) < share

@@ -4,7 +4,7 @@ comparisons use. Once the cold start is reliable, a change that makes it a lotte
 
 Whole stage 1s run as scripts/compare.py runs them, each for a seed whose stage 1 stalled in the
 runs of docs/stage1.md before the cold start's learning rate warmed up. With the warm-up, the first
-and third cases passed in one round there; the second has not been run with it. The tier takes half
+and third cases passed in one round there, the second after one retry. The tier takes half
 an hour to an hour on 2 cores and runs only when asked for by name:
 `python -m pytest -q -m stage1 tests`."""
 import glob

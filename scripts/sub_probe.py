@@ -128,7 +128,7 @@ def reads_by_distance(agent, kind, lengths=(8, 12), n=60):
 
 def reads_of(agent, kind, rel, lengths, n):
     """reads_by_distance's reads of one relation: {(length, k): [right or not, per question]}."""
-    read = {}
+    read, think = {}, agent.tok.convert_tokens_to_ids("<think>")
     for i in range(n):
         q = toy_tools.make_question(10 ** 6 + i, 2)
         kb, x = toy_tools.knowledge_base(q.seed, 2), q.text.split()[-2]
@@ -137,18 +137,17 @@ def reads_of(agent, kind, rel, lengths, n):
         others = [f for f in facts if f != fact] + [f for f in (toy_tools.fact_text(
             "country", c, kb[("country", c)]) for c in toy_tools.CITIES) if f not in facts]
         search = toy_tools.action_text("search", x)
-        msgs = toy_tools.single_demo(q, random.Random(i), 0.0)[:4] if kind == "single" else [
+        msgs = (toy_tools.single_demo(q, random.Random(i), 0.0)[:3] if kind == "single" else [
             {"role": "user", "content": f"{rel} of {x}"}, {"role": "assistant", "content": search},
-            {"role": "tool", "content": ""}, {}]
-        msgs[3] = {"role": "assistant", "content": toy_tools.quote(fact)}  # the agent reads on from "X knows"
+            {"role": "tool", "content": ""}]) + [{"role": "assistant", "content": toy_tools.quote(fact)}]
         rows, at = [], []
         for length in lengths:
+            rest = others[:length - 1]
             for k in range(1, length + 1):
-                rest = others[:length - 1]
                 msgs[2] = {"role": "tool", "content": " ; ".join(rest[:length - k] + [fact] + rest[length - k:])}
                 t = cold_start.encode_demo(agent, msgs, kind)
-                rows.append(t)
-                at.append((length, k, [agent.tok.decode([j]) for j in t.ids].index("<think>") + 2))
+                rows.append(t)  # the agent reads on from "<think> X knows"
+                at.append((length, k, t.ids.index(think) + 2))
         ids, attn, _, _ = collate(rows, agent.pad_id, agent.model.device)
         with torch.no_grad():
             logits = agent.model(input_ids=ids, attention_mask=attn).logits

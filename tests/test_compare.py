@@ -88,8 +88,9 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
         assert compare.cold_start(mine, kind) == ["--sft-steps", "10", "--sft-batch", "8", "--sft-lr", "0.001",
                                                   "--sft-warmup", "0.0"]
     assert compare.cold_start(compare.parse(["--sft-lr", "1e-3"]), "single")[-3] == "0.001"
-    # level 3 trains with gradients clipped at 0.1 in both arms, level 2 at mgrpo.py's default
-    assert "--grad-clip" in compare.EXPERIMENTS["single"][1] and "--grad-clip" not in compare.EXPERIMENTS["paper"][1]
+    # every experiment's stage 2 clips gradients at 0.1 in both arms; stage 1 at mgrpo.py's default
+    for name, (_, stage2, _) in compare.EXPERIMENTS.items():
+        assert stage2[stage2.index("--grad-clip") + 1] == "0.1", name
 
 
 @pytest.mark.slow

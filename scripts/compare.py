@@ -22,8 +22,8 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
            cold start alone
 Every experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0 (docs/experiments.md says why).
 
-    python scripts/compare.py --out runs/compare    # 'paper': 3 stage 1s x 3 seeds x 2 arms
-    python scripts/compare.py --experiment unsync --out runs/compare --resume --stage2-steps 100
+    python scripts/compare.py --out runs/compare    # 'paper': 5 stage 1s x 3 seeds x 2 arms
+    python scripts/compare.py --experiment unsync --out runs/compare --resume
     python scripts/compare.py --experiment single --out runs/compare --resume
     python scripts/compare.py --quick               # a very short version, to check the pipeline
 
@@ -64,7 +64,7 @@ CLIP = ["--grad-clip", "0.1"]
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *CLIP], {"sft_levels": "1,2,2"}),
     "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", "--lr-sub", "1e-3", *CLIP],
-               {"sft_levels": "1,2,2"}),
+               {"sft_levels": "1,2,2", "stage2_steps": 100}),  # its stage 1s are the paper experiment's
     # stage 1 without RL: 60 RL steps on levels 1, 2, 3 in turn broke M's four-hop plan
     "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *CLIP],
                {"sft_levels": "1,2,3", "stage1_steps": 0}),
@@ -87,7 +87,8 @@ def parse(argv=None):
     p.add_argument("--experiment", default="paper", choices=list(EXPERIMENTS), help="setting and arms, see above")
     p.add_argument("--arms", nargs="+", default=None, choices=list(ARMS), metavar="ARM",
                    help=f"arms to run, of {list(ARMS)}; default: the experiment's two")
-    p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3], help="one stage 1 per seed")
+    p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5],
+                   help="one stage 1 per seed: the independent units of the intervals")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
     p.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (stage 1), in each round that "
                    f"--sft-until asks for; None: {STAGE1['system']['sft_steps']} for "
@@ -117,7 +118,7 @@ def parse(argv=None):
     p.add_argument("--stage1-levels", default="",
                    help="levels of stage 1's RL questions, in turn; empty: each level of the demos once (paper, "
                         "unsync: 1,2; single: 1,2,3); 1: the paper's stage 1 of easy questions only")
-    p.add_argument("--stage2-steps", type=int, default=150, help="RL steps per stage-2 run")
+    p.add_argument("--stage2-steps", type=int, default=None, help="RL steps per stage-2 run; default: 150 (unsync: 100)")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every N stage-2 steps")
     p.add_argument("--eval-questions", type=int, default=256, help="held-out questions per evaluation")
     p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
@@ -142,6 +143,7 @@ def parse(argv=None):
     own = EXPERIMENTS[a.experiment][2]
     a.sft_levels = a.sft_levels or own["sft_levels"]
     a.stage1_steps = own.get("stage1_steps", STAGE1_STEPS) if a.stage1_steps is None else a.stage1_steps
+    a.stage2_steps = own.get("stage2_steps", 150) if a.stage2_steps is None else a.stage2_steps
     a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:
         a.stage1_seeds, a.seeds = a.stage1_seeds[:2], a.seeds[:2]

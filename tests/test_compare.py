@@ -88,6 +88,10 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
         assert compare.cold_start(mine, kind) == ["--sft-steps", "10", "--sft-batch", "8", "--sft-lr", "0.001",
                                                   "--sft-warmup", "0.0"]
     assert compare.cold_start(compare.parse(["--sft-lr", "1e-3"]), "single")[-3] == "0.001"
+    # five stage 1s by default; unsync's stage 2 is shorter unless asked
+    assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (150, 150)
+    assert compare.parse(["--experiment", "unsync"]).stage2_steps == 100
+    assert compare.parse(["--experiment", "unsync", "--stage2-steps", "7"]).stage2_steps == 7
     # every experiment's stage 2 clips gradients at 0.1 in both arms; stage 1 at mgrpo.py's default
     for name, (_, stage2, _) in compare.EXPERIMENTS.items():
         assert stage2[stage2.index("--grad-clip") + 1] == "0.1", name

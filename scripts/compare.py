@@ -57,9 +57,8 @@ ARMS = {"co-train": ["--mode", "co-train"],
         "co-train unsync": ["--mode", "co-train", "--unsync"],
         "main-only": ["--mode", "main-only"],
         "single-agent": ["--mode", "single-agent"]}
-# Stage 2 clips gradients at 0.1, about their median norm here, not 1.0. A few steps' norms are 10 to
-# 40 times the median, and AdamW's momentum carries such a step on: at 1.0 a level-2 co-train run fell
-# from 0.78 to 0 success in the three ordinary steps after one, and never came back (docs/experiments.md)
+# Stage 2 clips gradients at 0.1, about their median norm here, not 1.0: at level 3, two of three co-train
+# runs fell to 0 at 1.0. At level 2 it is not enough: runs still fall, at either (docs/experiments.md)
 CLIP = ["--grad-clip", "0.1"]
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *CLIP], {"sft_levels": "1,2,2"}),

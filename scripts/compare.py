@@ -117,7 +117,8 @@ def parse(argv=None):
     p.add_argument("--stage1-levels", default="",
                    help="levels of stage 1's RL questions, in turn; empty: each level of the demos once (paper, "
                         "unsync: 1,2; single: 1,2,3); 1: the paper's stage 1 of easy questions only")
-    p.add_argument("--stage2-steps", type=int, default=None, help="RL steps per stage-2 run; default: 150 (unsync: 100)")
+    p.add_argument("--stage2-steps", type=int, default=None,
+                   help="RL steps per stage-2 run; default: 150 (unsync: 100)")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every N stage-2 steps")
     p.add_argument("--eval-questions", type=int, default=256, help="held-out questions per evaluation")
     p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),

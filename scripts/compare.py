@@ -76,7 +76,7 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
 # passed for 2 seeds of 4, as over 5%.
 STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_warmup": 0.05},
           "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 3e-3, "sft_warmup": 0.05}}
-STAGE1_STEPS = 60
+STAGE1_STEPS, STAGE2_STEPS = 60, 150  # RL steps, where the experiment does not set its own
 
 
 def parse(argv=None):
@@ -143,7 +143,7 @@ def parse(argv=None):
     own = EXPERIMENTS[a.experiment][2]
     a.sft_levels = a.sft_levels or own["sft_levels"]
     a.stage1_steps = own.get("stage1_steps", STAGE1_STEPS) if a.stage1_steps is None else a.stage1_steps
-    a.stage2_steps = own.get("stage2_steps", 150) if a.stage2_steps is None else a.stage2_steps
+    a.stage2_steps = own.get("stage2_steps", STAGE2_STEPS) if a.stage2_steps is None else a.stage2_steps
     a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:
         a.stage1_seeds, a.seeds = a.stage1_seeds[:2], a.seeds[:2]

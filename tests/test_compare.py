@@ -44,6 +44,19 @@ def test_paired_interval_by_hand():
     assert compare.t975(2) == 4.303 and compare.t975(11) == 2.228 and compare.t975(100) == 1.96
 
 
+def test_falls_name_the_runs_that_dropped_below_their_start():
+    plan = {"paper/co-train-stage1seed1-seed1": ("co-train", 1, 1, ""),
+            "paper/co-train-stage1seed2-seed2": ("co-train", 2, 2, ""),
+            "paper/main-only-stage1seed1-seed1": ("main-only", 1, 1, "")}
+    curves = {"paper/co-train-stage1seed1-seed1": [(0, 0.8), (25, 0.61), (50, 0.9)],  # 0.19 below: no fall
+              "paper/co-train-stage1seed2-seed2": [(0, 0.85), (25, 0.9), (50, 0.2), (75, 0.95)],  # recovered
+              "paper/main-only-stage1seed1-seed1": [(0, 0.8), (25, 0.5), (50, 0.0)]}
+    text = compare.falls(curves, plan)
+    assert "co-train 1 of 2 (co-train-stage1seed2-seed2: 0.850 -> 0.200 at step 50)" in text
+    assert "main-only 1 of 1 (main-only-stage1seed1-seed1: 0.800 -> 0.000 at step 50)" in text
+    assert "stage1seed1-seed1: 0.800 -> 0.610" not in text
+
+
 def test_recompute_reads_a_report_and_pools_stage1s(capsys):
     """--recompute: the intervals over stage 1s from the per-seed figures of reports in docs/."""
     docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
@@ -89,12 +102,14 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
                                                   "--sft-warmup", "0.0"]
     assert compare.cold_start(compare.parse(["--sft-lr", "1e-3"]), "single")[-3] == "0.001"
     # five stage 1s by default; unsync's stage 2 is shorter unless asked
-    assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (150, 150)
-    assert compare.parse(["--experiment", "unsync"]).stage2_steps == 100
+    assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (90, 90)
+    assert compare.parse(["--experiment", "unsync"]).stage2_steps == 80
     assert compare.parse(["--experiment", "unsync", "--stage2-steps", "7"]).stage2_steps == 7
-    # every experiment's stage 2 clips gradients at 0.1 in both arms; stage 1 at mgrpo.py's default
+    # every experiment's stage 2 clips gradients at 0.1 and keeps both arms near stage 1 (KL 0.04);
+    # stage 1 at mgrpo.py's defaults (no KL: its cold start is its own reference)
     for name, (_, stage2, _) in compare.EXPERIMENTS.items():
         assert stage2[stage2.index("--grad-clip") + 1] == "0.1", name
+        assert stage2[stage2.index("--kl-coef") + 1] == "0.04", name
 
 
 @pytest.mark.slow

@@ -65,8 +65,8 @@ ARMS = {"co-train": ["--mode", "co-train"],
 STAGE2 = ["--grad-clip", "0.1", "--kl-coef", "0.04"]
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *STAGE2], {"sft_levels": "1,2,2"}),
-    # S at M's learning rate: at 1e-3 (and at 5e-4 for one of two stage 1s) it drifted from stage 1, and sync
-    # co-training fell below its start (docs/experiments.md)
+    # S at M's learning rate: at 1e-3 it drifted from stage 1 and sync co-training fell below its start;
+    # 5e-4 did no better than M's rate (docs/stage2-probes.md)
     "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", *STAGE2],
                {"sft_levels": "1,2,2", "stage2_steps": 80}),  # its stage 1s are the paper experiment's
     # stage 1 without RL: 60 RL steps on levels 1, 2, 3 in turn broke M's four-hop plan

@@ -8,6 +8,7 @@ random one with probability --demo-noise), on the tokens the agent would sample 
 trained again (a model built here from fresh weights). A model given by name or path gets no cold
 start unless --sft-steps asks for one.
 """
+import copy
 import json
 import math
 import multiprocessing
@@ -70,12 +71,13 @@ def jittered_positions(attn, mask, share, gen):
 def cold_start(agent, kind, args, task, seed, steps):
     """`steps` steps of cross-entropy on the mask-1 tokens of fresh noisy demos, at the rate of sft_rate;
     the loss and the time left printed now and then. A non-finite loss stops the run before any
-    checkpoint holds the broken weights. Returns the last loss."""
+    checkpoint holds the broken weights. Returns the final loss: its mean over the last 2% of the steps
+    (at least one per demo level), steady enough to rank draws by (cold_start_all)."""
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     gen = torch.Generator().manual_seed(seed)
-    t0, loss = time.time(), torch.tensor(0.0)
+    t0, loss, tail = time.time(), torch.tensor(0.0), []
     # --sft-bare: a tiny model behind a system prompt of hundreds of tokens takes many times longer to learn to
     # copy a name from its task; learned on bare demos first, the copy carries over in ~100 steps
     bare = dataclasses.replace(agent, system=None, splits={})
@@ -97,12 +99,13 @@ def cold_start(agent, kind, args, task, seed, steps):
         torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
         opt.step()
         schedule.step()
+        tail = (tail + [loss.item()])[-max(len(mix), steps // 50):]
         if (i + 1) % max(1, steps // 4) == 0 and i + 1 < steps:
             print(f"  cold start {kind}: step {i + 1}/{steps}, loss {loss.item():.3f}, about "
                   f"{(time.time() - t0) / (i + 1) * (steps - i - 1):.0f}s left", flush=True)
     agent.model.eval()
     opt.zero_grad(set_to_none=True)  # no stale gradient left on the weights (nor its memory)
-    return loss.item()
+    return sum(tail) / max(1, len(tail))
 
 
 def cold_start_job(path, kind, args, seed, steps, parent):
@@ -118,26 +121,55 @@ def cold_start_job(path, kind, args, seed, steps, parent):
     return loss
 
 
+def built_model(agent, args, *seed):
+    """A model like `agent`'s, built here from new random weights (an init seed from `seed`'s parts)."""
+    with torch.random.fork_rng(devices=[]):  # the run's own RNG streams stay as they were
+        return build_model(agent.tok, args.model_size, args.chat, stable_seed(args.seed, "init", *seed))
+
+
+def draw_jobs(steps, given, args, more):
+    """The cold starts of round `more`, {(agent, draw): (steps, demo seed)}: with --sft-draws d, d draws
+    of each agent built here (draw 0 from its weights as they are, draw i from new random weights of
+    its own), one of a model given by name or path. Each draw, and each round after the first, on
+    demos of its own."""
+    jobs = {}
+    for n, s in steps.items():
+        for d in range(1 if given[n] else args.sft_draws) if s else ():
+            jobs[n, d] = s, stable_seed(args.seed, "sft-" + n, *[more] * bool(more), *["draw", d] * bool(d))
+    return jobs
+
+
 def cold_start_all(agents, steps, args, task, more=0):
-    """Every agent's cold start ({name: steps}); their final losses. On a CPU with cores to spare they
-    run at once, each in a process of its own (a tiny model uses a second thread poorly, and the agents
-    share nothing); short ones do not pay for a process start. more > 0: the more-th round after the
-    first, on demos of its own."""
-    jobs, kinds = {n: s for n, s in steps.items() if s}, agent_kinds(args)
-    seeds = {n: stable_seed(args.seed, "sft-" + n, more) if more else stable_seed(args.seed, "sft-" + n)
-             for n in jobs}
-    if len(jobs) < 2 or args.device != "cpu" or (os.cpu_count() or 1) < 2 or min(jobs.values()) < 100:
-        return {n: cold_start(agents[n], kinds[n], args, task, seeds[n], s) for n, s in jobs.items()}
-    spawn = multiprocessing.get_context("spawn")
+    """Every agent's cold start ({name: steps}) in round `more`; their final losses. With --sft-draws
+    d > 1, an agent built here keeps its draw of lowest final loss (draw_jobs): in every round of
+    docs/stage1.md, that loss told one that passed its check from one that failed. On a CPU with cores
+    to spare the draws run at once, each in a process of its own (a tiny model uses a second thread
+    poorly, and they share nothing); short ones do not pay for a process start."""
+    given, kinds = {"main": args.main_model, "sub": args.sub_model}, agent_kinds(args)
+    jobs, losses, best = draw_jobs(steps, given, args, more), {}, {}
+    if len(jobs) < 2 or args.device != "cpu" or (os.cpu_count() or 1) < 2 or min(s for s, _ in jobs.values()) < 100:
+        many = {n for n, d in jobs if d}  # agents with draws to choose from: their best weights are copied
+        for (n, d), (s, seed) in jobs.items():  # draw 0 first, from the weights as they are
+            if d:
+                agents[n].model.load_state_dict(built_model(agents[n], args, n, more, "draw", d).state_dict())
+            loss = cold_start(agents[n], kinds[n], args, task, seed, s)
+            if n not in losses or loss < losses[n]:
+                losses[n], best[n] = loss, copy.deepcopy(agents[n].model.state_dict()) if n in many else None
+        for n in many:
+            agents[n].model.load_state_dict(best[n])
+        return losses
+    spawn, path = multiprocessing.get_context("spawn"), lambda job: os.path.join(tmp, f"{job[0]}-{job[1]}")
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(len(jobs), spawn) as pool:
-        for n in jobs:
-            agents[n].model.save_pretrained(os.path.join(tmp, n))
-            agents[n].tok.save_pretrained(os.path.join(tmp, n))
-        futures = {n: pool.submit(cold_start_job, os.path.join(tmp, n), kinds[n], args, seeds[n], s, os.getpid())
-                   for n, s in jobs.items()}
-        losses = {n: f.result() for n, f in futures.items()}
-        for n in jobs:
-            agents[n].model.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(tmp, n)).state_dict())
+        for n, d in jobs:
+            (built_model(agents[n], args, n, more, "draw", d) if d else agents[n].model).save_pretrained(path((n, d)))
+            agents[n].tok.save_pretrained(path((n, d)))
+        futures = {job: pool.submit(cold_start_job, path(job), kinds[job[0]], args, seed, s, os.getpid())
+                   for job, (s, seed) in jobs.items()}
+        for (n, d), f in futures.items():
+            if n not in losses or f.result() < losses[n]:
+                losses[n], best[n] = f.result(), d
+        for n, d in best.items():
+            agents[n].model.load_state_dict(AutoModelForCausalLM.from_pretrained(path((n, d))).state_dict())
     return losses
 
 
@@ -148,9 +180,7 @@ def fresh_weights(agents, given, args, rnd):
     path, already pretrained, goes on from where it is."""
     for n, a in agents.items():
         if not given[n]:
-            with torch.random.fork_rng(devices=[]):  # the run's own RNG streams stay as they were
-                fresh = build_model(a.tok, args.model_size, args.chat, stable_seed(args.seed, "init", n, rnd))
-            a.model.load_state_dict(fresh.state_dict())
+            a.model.load_state_dict(built_model(a, args, n, rnd).state_dict())
 
 
 def cold_start_checked(agents, args, task, out, done, check):
@@ -168,7 +198,8 @@ def cold_start_checked(agents, args, task, out, done, check):
             fresh_weights(agents, given, args, more)
         losses = cold_start_all(agents, steps, args, task, more)
         print("cold start on noisy demos" + f" (round {more + 1}, from fresh weights)" * (more > 0) + ", final loss "
-              + " ".join(f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items()) + f" ({time.time() - t0:.0f}s)",
+              + " ".join(f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items())
+              + f", the lowest of {args.sft_draws} draws" * (args.sft_draws > 1) + f" ({time.time() - t0:.0f}s)",
               flush=True)
         if not args.sft_until:
             return

@@ -94,8 +94,8 @@ def problems(a):
         (a.dtype not in ("float32", "bfloat16"), "--dtype must be float32 or bfloat16"),
         (a.kl_coef < 0 or a.visit_max_chars < 1, "--kl-coef must be >= 0 and --visit-max-chars >= 1"),
         (not (a.lr > 0 and a.lr_sub >= 0), "--lr must be > 0 and --lr-sub >= 0"),
-        (min(a.questions_per_step, a.ppo_epochs) < 1 or a.eval_questions == 0,
-         "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
+        (min(a.questions_per_step, a.ppo_epochs, a.sft_draws) < 1 or a.eval_questions == 0,
+         "--questions-per-step, --ppo-epochs, --sft-draws, --eval-questions must be >= 1"),
         (not all(re.fullmatch(r"\d+(,\d+)*", x or "1") for x in (a.sft_levels, a.train_levels)),
          "--sft-levels and --train-levels must list levels, e.g. 1,2"),
         (a.main_max_turns < 2 or a.sub_max_turns < 2, "--main-max-turns and --sub-max-turns must be >= 2"),
@@ -222,8 +222,8 @@ def open_store(args):
 # --sft-until takes the rounds done as the cold start)
 SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
             "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every",
-            "sft_steps", "sft_levels", "sft_bare", "sft_warmup", "sft_jitter", "kl_coef", "lora_rank", "lora_alpha",
-            "lora_targets", "share_base")
+            "sft_steps", "sft_levels", "sft_bare", "sft_warmup", "sft_jitter", "sft_draws", "kl_coef", "lora_rank",
+            "lora_alpha", "lora_targets", "share_base")
 
 
 @contextlib.contextmanager

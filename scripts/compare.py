@@ -79,8 +79,9 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
 # further at 1200 x 64, 1.5e-3. A round of either costs about the same. The learning rate's warm-up over 5% of the
 # steps mended the system's level-3 stage 1 (10 of 10 seeds pass within one retry); over 20%, the single agent's
 # passed for 2 seeds of 4, as over 5%.
-STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_warmup": 0.05},
-          "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 3e-3, "sft_warmup": 0.05}}
+# the single agent draws two cold starts per round, one per core, as the system trains its two agents at once
+STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_draws": 1},
+          "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 3e-3, "sft_warmup": 0.05, "sft_draws": 2}}
 STAGE1_STEPS, STAGE2_STEPS = 60, 90  # RL steps, where the experiment does not set its own
 
 
@@ -114,6 +115,10 @@ def parse(argv=None):
                    help=f"share of a cold-start round over which its learning rate rises; None: "
                    f"{STAGE1['system']['sft_warmup']:g} for the system, {STAGE1['single']['sft_warmup']:g} for the "
                    "single agent")
+    p.add_argument("--sft-draws", type=int, default=None,
+                   help=f"cold starts per round, the one of lowest final loss kept (mgrpo.py --sft-draws); None: "
+                   f"{STAGE1['system']['sft_draws']} for the system, {STAGE1['single']['sft_draws']} for the single "
+                   "agent")
     p.add_argument("--model-size", default="0.4M",
                    help="size of the models that stage 1 builds (mgrpo.py --model-size); stage 2 starts from them. "
                         "0.4M, 4 layers of 4 heads: with 2 layers of 8 (0.2M) the copy of a word out of a long "
@@ -162,10 +167,11 @@ def parse(argv=None):
     # each kind's cold start: the options given, else STAGE1's
     a.cold = {kind: {key: value if getattr(a, key) is None else getattr(a, key) for key, value in defaults.items()}
               for kind, defaults in STAGE1.items()}
-    if (any(c["sft_steps"] < 0 or c["sft_batch"] < 1 or not c["sft_lr"] > 0 for c in a.cold.values())
+    if (any(c["sft_steps"] < 0 or min(c["sft_batch"], c["sft_draws"]) < 1 or not c["sft_lr"] > 0
+            for c in a.cold.values())
             or a.stage1_steps < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1):
         p.error("--sft-steps and --stage1-steps must be >= 0, --stage2-steps, --eval-every, --eval-questions, --jobs, "
-                "--sft-batch >= 1, and --sft-lr > 0")
+                "--sft-batch, --sft-draws >= 1, and --sft-lr > 0")
     if len(set(a.stage1_seeds)) != len(a.stage1_seeds) or len(set(a.seeds)) != len(a.seeds):
         p.error("--stage1-seeds and --seeds must not repeat a seed")
     return a
@@ -392,7 +398,7 @@ def cold_start(a, kind):
     """mgrpo.py's cold-start options for a stage 1 of this kind ("system" or "single")."""
     c = a.cold[kind]
     return ["--sft-steps", str(c["sft_steps"]), "--sft-batch", str(c["sft_batch"]), "--sft-lr", str(c["sft_lr"]),
-            "--sft-warmup", str(c["sft_warmup"])]
+            "--sft-warmup", str(c["sft_warmup"]), "--sft-draws", str(c["sft_draws"])]
 
 
 def main(argv=None):

@@ -177,6 +177,50 @@ def test_a_round_after_a_failed_check_starts_from_fresh_weights(tmp_path, monkey
     assert len(starts) == 8 and all(same(starts[i][1], ends[i - 2][1]) for i in range(2, 8))
 
 
+def test_sft_draws_keep_the_draw_of_lowest_final_loss(monkeypatch):
+    """--sft-draws: each draw of an agent built here starts from random weights of its own (draw 0 from
+    the weights as they are) on demos of its own, and the agent keeps the weights of the draw whose final
+    loss was lowest, whichever place it came in; a model given by path gets one draw."""
+    args = mgrpo.parse_args(["--mode", "single-agent", "--model-size", "0.1M", "--sft-batch", "2", "--sft-draws", "3"])
+    agent, starts, ends, seeds = helpers.load_agent("", args, 0), [], [], []
+    first, real = {k: v.clone() for k, v in agent.model.state_dict().items()}, cold_start.cold_start
+    fake = iter([0.5, 0.2, 0.9])
+
+    def recorded(agent, kind, args, task, seed, steps):
+        starts.append({k: v.clone() for k, v in agent.model.state_dict().items()})
+        real(agent, kind, args, task, seed, steps)
+        ends.append({k: v.clone() for k, v in agent.model.state_dict().items()})
+        seeds.append(seed)
+        return next(fake)
+    monkeypatch.setattr(cold_start, "cold_start", recorded)
+    losses = cold_start.cold_start_all({"main": agent}, {"main": 3}, args, toy_tools)
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    assert losses == {"main": 0.2} and len(starts) == 3 and len(set(seeds)) == 3
+    assert same(starts[0], first)
+    for d in (1, 2):
+        fresh = cold_start.build_model(agent.tok, "0.1M", False, tools.stable_seed(1, "init", "main", 0, "draw", d))
+        assert same(starts[d], fresh.state_dict())
+    assert same(agent.model.state_dict(), ends[1]) and not same(ends[1], ends[0])  # the second draw's weights
+    assert cold_start.draw_jobs({"main": 3, "sub": 0}, {"main": "a/path", "sub": ""}, args, 0).keys() == {("main", 0)}
+
+
+@pytest.mark.slow
+def test_draws_at_once_in_processes_keep_what_one_process_keeps(monkeypatch):
+    """On a CPU with cores to spare, draws run at once, each in a process of its own: the agent ends
+    with the weights and final loss that the same draws, one after another in this process, give."""
+    args = mgrpo.parse_args(["--mode", "single-agent", "--model-size", "0.1M", "--sft-batch", "2", "--sft-draws", "2"])
+    torch.set_num_threads(1)  # as each process of the pool runs: the same sums, to float rounding
+    kept = []
+    for cores in (4, 1):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        agent = helpers.load_agent("", args, 0)
+        losses = cold_start.cold_start_all({"main": agent}, {"main": 100}, args, toy_tools)
+        kept.append((losses, agent.model.state_dict()))
+    (at_once, w_once), (in_turn, w_turn) = kept
+    assert at_once["main"] == pytest.approx(in_turn["main"], rel=1e-4)
+    assert all(torch.allclose(w_once[k], w_turn[k], atol=1e-4) for k in w_turn)
+
+
 @pytest.mark.slow
 def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_path, capsys, monkeypatch):
     """Each round of the cold start ends in a checkpoint: a run killed in round 3 resumes after round 2

@@ -141,8 +141,8 @@ def draw_jobs(steps, given, args, more):
 
 def cold_start_all(agents, steps, args, task, more=0):
     """Every agent's cold start ({name: steps}) in round `more`; their final losses. With --sft-draws
-    d > 1, an agent built here keeps its draw of lowest final loss (draw_jobs): in every round of
-    docs/stage1.md, that loss told one that passed its check from one that failed. On a CPU with cores
+    d > 1, an agent built here keeps its draw of lowest final loss (draw_jobs): in the single agent's
+    rounds of docs/stage1.md, that loss told one that passed its check from one that failed. On a CPU with cores
     to spare the draws run at once, each in a process of its own (a tiny model uses a second thread
     poorly, and they share nothing); short ones do not pay for a process start."""
     given, kinds = {"main": args.main_model, "sub": args.sub_model}, agent_kinds(args)
@@ -199,7 +199,8 @@ def cold_start_checked(agents, args, task, out, done, check):
         losses = cold_start_all(agents, steps, args, task, more)
         print("cold start on noisy demos" + f" (round {more + 1}, from fresh weights)" * (more > 0) + ", final loss "
               + " ".join(f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items())
-              + f", the lowest of {args.sft_draws} draws" * (args.sft_draws > 1) + f" ({time.time() - t0:.0f}s)",
+              + f", the lowest of {args.sft_draws} draws" * (args.sft_draws > 1 and not all(given[n] for n in losses))
+              + f" ({time.time() - t0:.0f}s)",
               flush=True)
         if not args.sft_until:
             return

@@ -95,6 +95,7 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
                       (["--sft-bare", "-0.1"], "--sft-jitter are shares"),
                       (["--sft-warmup", "2"], "--sft-jitter are shares"),
                       (["--sft-jitter", "-1"], "--sft-jitter are shares"),
+                      (["--sft-draws", "0"], "--sft-draws, --eval-questions must be >= 1"),
                       (["--report-to", "mlflow"], "--report-to must be tensorboard or wandb"),
                       (["--sft-until", "0.9", "--role", "sub", "--store", "s"], "it needs --role both"),
                       (["--sft-until", "0.9", "--sft-steps", "0"], "it needs --sft-steps > 0")]:

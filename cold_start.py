@@ -9,6 +9,7 @@ trained again (a model built here from fresh weights). A model given by name or 
 start unless --sft-steps asks for one.
 """
 import copy
+import functools
 import json
 import math
 import multiprocessing
@@ -139,38 +140,51 @@ def draw_jobs(steps, given, args, more):
     return jobs
 
 
-def cold_start_all(agents, steps, args, task, more=0):
-    """Every agent's cold start ({name: steps}) in round `more`; their final losses. With --sft-draws
-    d > 1, an agent built here keeps its draw of lowest final loss (draw_jobs): in the single agent's
-    rounds of docs/stage1.md, that loss told one that passed its check from one that failed. On a CPU with cores
-    to spare the draws run at once, each in a process of its own (a tiny model uses a second thread
-    poorly, and they share nothing); short ones do not pay for a process start."""
+def cold_start_all(agents, steps, args, task, more=0, score=None):
+    """Every agent's cold start ({name: steps}) in round `more`; with --sft-draws d, d draws of each agent
+    built here (draw_jobs). The agents keep the draw of highest score(draw, losses), called with its
+    weights loaded ({name: final loss}; without score, the lowest summed loss), draw d of each agent
+    together. Returns (the kept draw, its {name: final loss}). On a CPU with cores to spare the draws run
+    in processes of their own, one per core (a tiny model uses a second thread poorly, and they share
+    nothing); short ones do not pay for a process start."""
     given, kinds = {"main": args.main_model, "sub": args.sub_model}, agent_kinds(args)
-    jobs, losses, best = draw_jobs(steps, given, args, more), {}, {}
+    jobs, trained = draw_jobs(steps, given, args, more), {}
     if len(jobs) < 2 or args.device != "cpu" or (os.cpu_count() or 1) < 2 or min(s for s, _ in jobs.values()) < 100:
-        many = {n for n, d in jobs if d}  # agents with draws to choose from: their best weights are copied
+        many = {n for n, d in jobs if d}  # agents with draws to choose from: each draw's weights are copied
         for (n, d), (s, seed) in jobs.items():  # draw 0 first, from the weights as they are
             if d:
                 agents[n].model.load_state_dict(built_model(agents[n], args, n, more, "draw", d).state_dict())
             loss = cold_start(agents[n], kinds[n], args, task, seed, s)
-            if n not in losses or loss < losses[n]:
-                losses[n], best[n] = loss, copy.deepcopy(agents[n].model.state_dict()) if n in many else None
-        for n in many:
-            agents[n].model.load_state_dict(best[n])
-        return losses
+            trained[n, d] = loss, copy.deepcopy(agents[n].model.state_dict()) if n in many else None
+        return kept_draw(agents, trained, score)
     spawn, path = multiprocessing.get_context("spawn"), lambda job: os.path.join(tmp, f"{job[0]}-{job[1]}")
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(len(jobs), spawn) as pool:
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(min(len(jobs), os.cpu_count()), spawn) as pool:
         for n, d in jobs:
             (built_model(agents[n], args, n, more, "draw", d) if d else agents[n].model).save_pretrained(path((n, d)))
             agents[n].tok.save_pretrained(path((n, d)))
         futures = {job: pool.submit(cold_start_job, path(job), kinds[job[0]], args, seed, s, os.getpid())
                    for job, (s, seed) in jobs.items()}
-        for (n, d), f in futures.items():
-            if n not in losses or f.result() < losses[n]:
-                losses[n], best[n] = f.result(), d
-        for n, d in best.items():
-            agents[n].model.load_state_dict(AutoModelForCausalLM.from_pretrained(path((n, d))).state_dict())
-    return losses
+        for job, f in futures.items():
+            trained[job] = f.result(), AutoModelForCausalLM.from_pretrained(path(job)).state_dict()
+    return kept_draw(agents, trained, score)
+
+
+def kept_draw(agents, trained, score):
+    """The agents given the weights of the best of the trained draws, {(name, draw): (final loss, weights;
+    None: the weights the agent holds)}; an agent with one draw is in each. Returns (its draw, {name: loss})."""
+    names, n_draws = {n for n, _ in trained}, 1 + max(d for _, d in trained)
+
+    def load(d):
+        for n in names:
+            if trained.get((n, d), trained[n, 0])[1] is not None:
+                agents[n].model.load_state_dict(trained.get((n, d), trained[n, 0])[1])
+        return {n: trained.get((n, d), trained[n, 0])[0] for n in names}
+    values = []
+    for d in range(n_draws):
+        losses = load(d)
+        values.append(score(d, losses) if score else -sum(losses.values()))
+    best = max(range(n_draws), key=values.__getitem__)  # the first of equals
+    return best, load(best)
 
 
 def fresh_weights(agents, given, args, rnd):
@@ -183,29 +197,39 @@ def fresh_weights(agents, given, args, rnd):
             a.model.load_state_dict(built_model(a, args, n, rnd).state_dict())
 
 
+def draw_score(d, losses, args, check, checks):
+    """A draw's rank in a round with --sft-until: its check, check(level) on each demo level (kept in
+    `checks`), by the lowest level, then the sum, then the lowest summed final loss. Ranked by their final
+    loss alone, draws that passed and draws that failed lay 0.003 apart (docs/stage1.md)."""
+    checks[d] = {lv: check(lv) for lv in sorted(set(levels(args.sft_levels, args.level)))}
+    if args.sft_draws > 1:
+        print(f"  draw {d + 1} of {args.sft_draws}: final loss " + " ".join(f"{n} {v:.3f}" for n, v in losses.items())
+              + ", check " + ", ".join(f"level {lv} {v:.3f}" for lv, v in checks[d].items()), flush=True)
+    return min(checks[d].values()), sum(checks[d].values()), -sum(losses.values())
+
+
 def cold_start_checked(agents, args, task, out, done, check):
     """The cold start, then (--sft-until) its check: check(level), the system's greedy success on
-    held-out questions of each demo level; below the bar, another round on new demos, from fresh
-    weights (fresh_weights), at most 3 more, each after a checkpoint (`done`: rounds a resumed run has
-    behind it). The outcome goes to <out>/sft_check.json (and so into summary.json)."""
+    held-out questions of each demo level, on each draw (the best kept); below the bar, another round on
+    new demos, from fresh weights (fresh_weights), at most 3 more, each after a checkpoint (`done`: rounds
+    a resumed run has behind it). The outcome goes to <out>/sft_check.json (and so into summary.json)."""
     given = {"main": args.main_model, "sub": args.sub_model}
     steps = cold_start_steps(args, {n: given[n] for n in agents})
     if not any(steps.values()) or (done and not args.sft_until):  # resumed without --sft-until: rounds done
         return
     for more in range(done, 4 if args.sft_until else 1):
-        t0 = time.time()
+        t0, checks = time.time(), {}
         if more:
             fresh_weights(agents, given, args, more)
-        losses = cold_start_all(agents, steps, args, task, more)
+        score = functools.partial(draw_score, args=args, check=check, checks=checks) if args.sft_until else None
+        kept, losses = cold_start_all(agents, steps, args, task, more, score)
         print("cold start on noisy demos" + f" (round {more + 1}, from fresh weights)" * (more > 0) + ", final loss "
               + " ".join(f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items())
-              + f", the lowest of {args.sft_draws} draws" * (args.sft_draws > 1 and not all(given[n] for n in losses))
-              + f" ({time.time() - t0:.0f}s)",
-              flush=True)
+              + f", draw {kept + 1} of {args.sft_draws} kept" * (args.sft_draws > 1 and not all(map(given.get, losses)))
+              + f" ({time.time() - t0:.0f}s)", flush=True)
         if not args.sft_until:
             return
-        result = {lv: check(lv) for lv in sorted(set(levels(args.sft_levels, args.level)))}
-        passed = min(result.values()) >= args.sft_until
+        result, passed = checks[kept], min(checks[kept].values()) >= args.sft_until
         print("cold-start check, greedy success: " + ", ".join(f"level {lv} {v:.3f}" for lv, v in result.items())
               + ("" if passed else ", below --sft-until" + ": going on" * (more < 3)), flush=True)
         if passed:

@@ -104,8 +104,8 @@ class Args:
                             "text the agent reads, so that it learns to find a fact by what it says, not how far "
                             "back it stands (docs/stage1.md)")
     sft_draws: int = arg(1, "cold starts per round of each agent built here, each from random weights and "
-                         "demos of its own, at once where cores allow; the one of lowest final loss is kept "
-                         "(docs/stage1.md)")
+                         "demos of its own, at once where cores allow; the one of best --sft-until check is kept "
+                         "(without one, of lowest final loss; docs/stage1.md)")
     sft_bare: float = arg(0.0, "chat models: share of the cold start's first steps with bare demos "
                           "(no system prompt): a tiny model learns to copy from its task faster")
     sft_until: float = arg(0.0, "after the cold start, the system's greedy success on 256 held-out "

@@ -73,15 +73,12 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
     "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *STAGE2],
                {"sft_levels": "1,2,3", "stage1_steps": 0}),
 }
-# stage 1's cold start where the options do not set it, per kind of stage 1 (docs/stage1.md): the single agent's
-# level-3 check passed in rounds of 2400 steps of 32 demos at lr 3e-3 where 1200 x 64 at 1.5e-3 did not; at those,
-# the system's sub-agent stalled on the friend hop for the three seeds tried (1, 4, 5), two of which passed or got
-# further at 1200 x 64, 1.5e-3. A round of either costs about the same. The learning rate's warm-up over 5% of the
-# steps mended the system's level-3 stage 1 (10 of 10 seeds pass within one retry); over 20%, the single agent's
-# passed for 2 seeds of 4, as over 5%.
-# the single agent draws two cold starts per round, one per core, as the system trains its two agents at once
+# stage 1's cold start where the options do not set it, per kind of stage 1 (docs/stage1.md). The system's: 1200
+# steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps (10 of 10 level-3 seeds pass within one
+# retry). The single agent's: 2400 steps of 32 (more updates, which its long level-3 demos needed), and since about
+# half of its cold starts pass at any setting tried, two draws per round, one per core, the one of best check kept.
 STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_draws": 1},
-          "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 3e-3, "sft_warmup": 0.05, "sft_draws": 2}}
+          "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_draws": 2}}
 STAGE1_STEPS, STAGE2_STEPS = 60, 90  # RL steps, where the experiment does not set its own
 
 
@@ -116,7 +113,7 @@ def parse(argv=None):
                    f"{STAGE1['system']['sft_warmup']:g} for the system, {STAGE1['single']['sft_warmup']:g} for the "
                    "single agent")
     p.add_argument("--sft-draws", type=int, default=None,
-                   help=f"cold starts per round, the one of lowest final loss kept (mgrpo.py --sft-draws); None: "
+                   help=f"cold starts per round, the one of best check kept (mgrpo.py --sft-draws); None: "
                    f"{STAGE1['system']['sft_draws']} for the system, {STAGE1['single']['sft_draws']} for the single "
                    "agent")
     p.add_argument("--model-size", default="0.4M",

@@ -92,7 +92,7 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     for a in (paper, single):
         assert compare.cold_start(a, "system") == ["--sft-steps", "1200", "--sft-batch", "64", "--sft-lr", "0.0015",
                                                    "--sft-warmup", "0.05", "--sft-draws", "1"]
-        assert compare.cold_start(a, "single") == ["--sft-steps", "2400", "--sft-batch", "32", "--sft-lr", "0.003",
+        assert compare.cold_start(a, "single") == ["--sft-steps", "2400", "--sft-batch", "32", "--sft-lr", "0.0015",
                                                    "--sft-warmup", "0.05", "--sft-draws", "2"]
     assert paper.model_size == single.model_size == "0.4M"  # stage 1 builds 4-layer models
     mine = compare.parse(["--experiment", "single", "--sft-steps", "10", "--stage1-steps", "5", "--sft-levels", "3",

@@ -180,8 +180,8 @@ def test_a_round_after_a_failed_check_starts_from_fresh_weights(tmp_path, monkey
 
 def test_sft_draws_keep_the_draw_of_lowest_final_loss(monkeypatch):
     """--sft-draws: each draw of an agent built here starts from random weights of its own (draw 0 from
-    the weights as they are) on demos of its own, and the agent keeps the weights of the draw whose final
-    loss was lowest, whichever place it came in; a model given by path gets one draw."""
+    the weights as they are) on demos of its own, and without a check the agent keeps the weights of the
+    draw whose final loss was lowest, whichever place it came in; a model given by path gets one draw."""
     args = mgrpo.parse_args(["--mode", "single-agent", "--model-size", "0.1M", "--sft-batch", "2", "--sft-draws", "3"])
     agent, starts, ends, seeds = helpers.load_agent("", args, 0), [], [], []
     first, real = {k: v.clone() for k, v in agent.model.state_dict().items()}, cold_start.cold_start
@@ -194,15 +194,41 @@ def test_sft_draws_keep_the_draw_of_lowest_final_loss(monkeypatch):
         seeds.append(seed)
         return next(fake)
     monkeypatch.setattr(cold_start, "cold_start", recorded)
-    losses = cold_start.cold_start_all({"main": agent}, {"main": 3}, args, toy_tools)
+    kept = cold_start.cold_start_all({"main": agent}, {"main": 3}, args, toy_tools)
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
-    assert losses == {"main": 0.2} and len(starts) == 3 and len(set(seeds)) == 3
+    assert kept == (1, {"main": 0.2}) and len(starts) == 3 and len(set(seeds)) == 3
     assert same(starts[0], first)
     for d in (1, 2):
         fresh = cold_start.build_model(agent.tok, "0.1M", False, tools.stable_seed(1, "init", "main", 0, "draw", d))
         assert same(starts[d], fresh.state_dict())
     assert same(agent.model.state_dict(), ends[1]) and not same(ends[1], ends[0])  # the second draw's weights
     assert cold_start.draw_jobs({"main": 3, "sub": 0}, {"main": "a/path", "sub": ""}, args, 0).keys() == {("main", 0)}
+
+
+def test_with_a_check_the_draw_of_best_check_is_kept(tmp_path, monkeypatch, capsys):
+    """--sft-until with --sft-draws: every draw is checked, and the round keeps the draw whose lowest level
+    is best (here the draw of highest loss), then by its sum; its check is the round's, and the round
+    fails when no draw passes: the next starts from fresh weights."""
+    args = mgrpo.parse_args(["--mode", "single-agent", "--model-size", "0.1M", "--sft-batch", "2", "--sft-draws", "3",
+                             "--sft-steps", "2", "--sft-levels", "1,2", "--sft-until", "0.9"])
+    agent, ends, real = helpers.load_agent("", args, 0), [], cold_start.cold_start
+    losses = iter([0.1, 0.5, 0.3] * 4)
+    checks = [{1: 1.0, 2: 0.5}, {1: 0.6, 2: 0.6}, {1: 0.7, 2: 0.4},  # round 1: draw 2 kept, fails
+              {1: 1.0, 2: 0.95}, {1: 1.0, 2: 0.9}, {1: 1.0, 2: 0.95}]  # round 2: 1 and 3 tie, 1 of lower loss
+
+    def recorded(agent, kind, args, task, seed, steps):
+        real(agent, kind, args, task, seed, steps)
+        ends.append({k: v.clone() for k, v in agent.model.state_dict().items()})
+        return next(losses)
+    monkeypatch.setattr(cold_start, "cold_start", recorded)
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    now = lambda: next(i for i, e in enumerate(ends) if same(e, agent.model.state_dict()))  # noqa: E731
+    cold_start.cold_start_checked({"main": agent}, args, toy_tools, str(tmp_path), 0, lambda lv: checks[now()][lv])
+    assert same(agent.model.state_dict(), ends[3]) and len(ends) == 6
+    assert json.loads((tmp_path / "sft_check.json").read_text()) == {"passed": True, "rounds": 2,
+                                                                      "greedy": {"1": 1.0, "2": 0.95}}
+    out = capsys.readouterr().out
+    assert "draw 2 of 3 kept" in out and "draw 1 of 3 kept" in out and "draw 3 of 3: final loss main 0.300" in out
 
 
 @pytest.mark.slow
@@ -215,7 +241,7 @@ def test_draws_at_once_in_processes_keep_what_one_process_keeps(monkeypatch):
     for cores in (4, 1):
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
         agent = helpers.load_agent("", args, 0)
-        losses = cold_start.cold_start_all({"main": agent}, {"main": 100}, args, toy_tools)
+        _, losses = cold_start.cold_start_all({"main": agent}, {"main": 100}, args, toy_tools)
         kept.append((losses, agent.model.state_dict()))
     (at_once, w_once), (in_turn, w_turn) = kept
     assert at_once["main"] == pytest.approx(in_turn["main"], rel=1e-4)
@@ -232,11 +258,11 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
     whole = mgrpo.main(base + ["--out", str(tmp_path / "whole")])
     real, rounds, kill = cold_start.cold_start_all, [], [True]
 
-    def killed_once_in_round_3(agents, steps, args, task, more=0):
+    def killed_once_in_round_3(agents, steps, args, task, more=0, score=None):
         rounds.append(more)
         if more == 2 and kill and kill.pop():
             raise KeyboardInterrupt
-        return real(agents, steps, args, task, more)
+        return real(agents, steps, args, task, more, score)
     monkeypatch.setattr(cold_start, "cold_start_all", killed_once_in_round_3)
     with pytest.raises(KeyboardInterrupt):
         mgrpo.main(base + ["--out", str(tmp_path / "cut")])
@@ -455,7 +481,7 @@ def test_sub_probe_gives_a_given_model_no_cold_start_unless_asked(tmp_path, monk
     agent.tok.save_pretrained(tmp_path / "main")
     asked = []
 
-    def stop(agents, steps, args, task, more=0):
+    def stop(agents, steps, args, task, more=0, score=None):
         asked.append(dict(steps))
         raise KeyboardInterrupt  # what follows the cold start is not under test here
 

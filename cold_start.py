@@ -49,13 +49,14 @@ def encode_demo(agent, msgs, kind):
     return t
 
 
-def sft_rate(i, steps, warmup):
+def sft_rate(i, steps, warmup, decay=1.0):
     """The cold start's learning rate at step i of `steps`, as a share of --sft-lr: a linear rise over the
-    first `warmup` share of the steps, times a cosine decay. Without the rise, AdamW's first full-size
-    steps on random weights left a tiny sub-agent blind to facts at a few places of its result lists, on
-    most init seeds (docs/stage1.md)."""
-    rise = max(1, round(warmup * steps))
-    return min(1.0, (i + 1) / rise) * 0.5 * (1 + math.cos(math.pi * i / steps))
+    first `warmup` share of the steps, times a cosine decay over the last `decay` share (1: all of them).
+    Without the rise, AdamW's first full-size steps on random weights left a tiny sub-agent blind to facts
+    at a few places of its result lists, on most init seeds (docs/stage1.md)."""
+    rise, fall = max(1, round(warmup * steps)), max(1, round(decay * steps))
+    held = max(0, i - (steps - fall))  # steps into the decay
+    return min(1.0, (i + 1) / rise) * 0.5 * (1 + math.cos(math.pi * held / fall))
 
 
 def jittered_positions(attn, mask, share, gen):
@@ -75,7 +76,7 @@ def cold_start(agent, kind, args, task, seed, steps):
     checkpoint holds the broken weights. Returns the final loss: its mean over the last 2% of the steps
     (at least one per demo level), steady enough to rank draws by (cold_start_all)."""
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup, args.sft_decay))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     gen = torch.Generator().manual_seed(seed)
     t0, loss, tail = time.time(), torch.tensor(0.0), []

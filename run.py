@@ -82,8 +82,9 @@ def problems(a):
         (a.max_sub < 1, "--max-sub must be >= 1"),
         (a.mode not in MODES, "--mode must be co-train, main-only or single-agent"),
         (a.mode == "single-agent" and a.role != "both", "--mode single-agent runs in one process (--role both)"),
-        (not all(0 <= v <= 1 for v in (a.sft_until, a.sft_bare, a.sft_warmup, a.sft_jitter)),
-         "--sft-until, --sft-bare, --sft-warmup and --sft-jitter are shares, in [0, 1]"),
+        (not all(0 <= v <= 1 for v in (a.sft_until, a.sft_bare, a.sft_warmup, a.sft_jitter, a.sft_decay))
+         or a.sft_decay == 0, "--sft-until, --sft-bare, --sft-warmup, --sft-jitter and --sft-decay are shares, "
+         "in [0, 1] (--sft-decay above 0)"),
         (a.sft_until and a.role != "both", "--sft-until checks both agents together: it needs --role both"),
         (a.sft_until and a.sft_steps == 0, "--sft-until checks a cold start: it needs --sft-steps > 0"),
         (a.unsync and a.mode != "co-train", "--unsync changes how S trains: it needs --mode co-train"),
@@ -222,8 +223,8 @@ def open_store(args):
 # --sft-until takes the rounds done as the cold start)
 SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
             "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every",
-            "sft_steps", "sft_levels", "sft_bare", "sft_warmup", "sft_jitter", "sft_draws", "kl_coef", "lora_rank",
-            "lora_alpha", "lora_targets", "share_base")
+            "sft_steps", "sft_levels", "sft_bare", "sft_warmup", "sft_decay", "sft_jitter", "sft_draws", "kl_coef",
+            "lora_rank", "lora_alpha", "lora_targets", "share_base")
 
 
 @contextlib.contextmanager

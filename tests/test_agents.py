@@ -197,7 +197,8 @@ def test_sft_bare_leaves_the_system_prompt_out_of_the_first_steps_only(monkeypat
 
 def test_the_cold_start_rate_rises_over_its_warmup_then_decays():
     """sft_rate: a linear rise over --sft-warmup's share of the steps, then the cosine; with no warm-up,
-    the cosine alone (the schedule before it)."""
+    the cosine alone (the schedule before it); with --sft-decay below 1, the full rate until the cosine
+    of the last steps."""
     import cold_start
     rate = [cold_start.sft_rate(i, 1200, 0.05) for i in range(1200)]
     assert rate[0] == pytest.approx(1 / 60) and rate[59] > 0.99
@@ -205,6 +206,9 @@ def test_the_cold_start_rate_rises_over_its_warmup_then_decays():
     assert rate[-1] < 1e-5
     assert [cold_start.sft_rate(i, 40, 0.0) for i in range(40)] == pytest.approx(
         [0.5 * (1 + math.cos(math.pi * i / 40)) for i in range(40)])
+    held = [cold_start.sft_rate(i, 1200, 0.05, 0.25) for i in range(1200)]  # --sft-decay 0.25: the last 300 steps
+    assert held[:60] == pytest.approx([(i + 1) / 60 for i in range(60)]) and held[59:900] == [1.0] * 841
+    assert held[900:] == pytest.approx([0.5 * (1 + math.cos(math.pi * i / 300)) for i in range(300)])
 
 
 def test_jittered_positions_skip_only_in_what_the_agent_reads_and_only_in_their_share_of_rows():

@@ -75,7 +75,8 @@ def cold_start(agent, kind, args, task, seed, steps):
     the loss and the time left printed now and then. A non-finite loss stops the run before any
     checkpoint holds the broken weights. Returns the final loss: its mean over the last 2% of the steps
     (at least one per demo level), steady enough to rank draws by (cold_start_all)."""
-    opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98), weight_decay=0.0)
+    opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98),
+                            weight_decay=args.sft_weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup, args.sft_decay))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     gen = torch.Generator().manual_seed(seed)

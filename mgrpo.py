@@ -100,6 +100,7 @@ class Args:
     sft_lr: float = arg(1.5e-3, "cold-start learning rate")
     sft_warmup: float = arg(0.05, "share of the cold start's first steps over which its learning rate rises "
                             "linearly to --sft-lr, before the cosine decay (docs/stage1.md)")
+    sft_weight_decay: float = arg(0.0, "the cold start's AdamW weight decay (docs/stage1.md)")
     sft_decay: float = arg(1.0, "share of the cold start's last steps over which its learning rate falls to 0 "
                            "(a cosine); 1: from the first step (docs/stage1.md)")
     sft_jitter: float = arg(0.0, "share of the cold start's demos whose positions skip ahead at random in the "

@@ -93,7 +93,8 @@ def problems(a):
         (min(a.steps, a.micro_batch, a.max_new_tokens) < 0 or a.sft_steps < -1 or a.eval_questions < -1,
          "--steps, --micro-batch, --max-new-tokens must be >= 0, --sft-steps and --eval-questions >= -1"),
         (a.dtype not in ("float32", "bfloat16"), "--dtype must be float32 or bfloat16"),
-        (a.kl_coef < 0 or a.visit_max_chars < 1, "--kl-coef must be >= 0 and --visit-max-chars >= 1"),
+        (min(a.kl_coef, a.weight_decay, a.sft_weight_decay) < 0 or a.visit_max_chars < 1,
+         "--kl-coef, --weight-decay and --sft-weight-decay must be >= 0, --visit-max-chars >= 1"),
         (not (a.lr > 0 and a.lr_sub >= 0), "--lr must be > 0 and --lr-sub >= 0"),
         (min(a.questions_per_step, a.ppo_epochs, a.sft_draws) < 1 or a.eval_questions == 0,
          "--questions-per-step, --ppo-epochs, --sft-draws, --eval-questions must be >= 1"),
@@ -223,8 +224,8 @@ def open_store(args):
 # --sft-until takes the rounds done as the cold start)
 SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
             "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every",
-            "sft_steps", "sft_levels", "sft_bare", "sft_warmup", "sft_decay", "sft_jitter", "sft_draws", "kl_coef",
-            "lora_rank", "lora_alpha", "lora_targets", "share_base")
+            "sft_steps", "sft_levels", "sft_bare", "sft_warmup", "sft_decay", "sft_weight_decay", "sft_jitter",
+            "sft_draws", "kl_coef", "lora_rank", "lora_alpha", "lora_targets", "share_base")
 
 
 @contextlib.contextmanager

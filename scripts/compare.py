@@ -77,8 +77,10 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
 # steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps (10 of 10 level-3 seeds pass within one
 # retry). The single agent's: 2400 steps of 32 (more updates, which its long level-3 demos needed), and since about
 # half of its cold starts pass at any setting tried, two draws per round, one per core, the one of best check kept.
-STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_draws": 1},
-          "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_draws": 2}}
+STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_decay": 1.0,
+                     "sft_draws": 1},
+          "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_decay": 1.0,
+                     "sft_draws": 2}}
 STAGE1_STEPS, STAGE2_STEPS = 60, 90  # RL steps, where the experiment does not set its own
 
 
@@ -112,6 +114,10 @@ def parse(argv=None):
                    help=f"share of a cold-start round over which its learning rate rises; None: "
                    f"{STAGE1['system']['sft_warmup']:g} for the system, {STAGE1['single']['sft_warmup']:g} for the "
                    "single agent")
+    p.add_argument("--sft-decay", type=float, default=None,
+                   help=f"share of a cold-start round's last steps over which its learning rate falls (mgrpo.py "
+                   f"--sft-decay); None: {STAGE1['system']['sft_decay']:g} for the system, "
+                   f"{STAGE1['single']['sft_decay']:g} for the single agent")
     p.add_argument("--sft-draws", type=int, default=None,
                    help=f"cold starts per round, the one of best check kept (mgrpo.py --sft-draws); None: "
                    f"{STAGE1['system']['sft_draws']} for the system, {STAGE1['single']['sft_draws']} for the single "
@@ -161,6 +167,8 @@ def parse(argv=None):
         p.error("--sft-until is a success rate, in [0, 1]")
     if a.sft_warmup is not None and not 0 <= a.sft_warmup <= 1:
         p.error("--sft-warmup is a share, in [0, 1]")
+    if a.sft_decay is not None and not 0 < a.sft_decay <= 1:
+        p.error("--sft-decay is a share, in (0, 1]")
     # each kind's cold start: the options given, else STAGE1's
     a.cold = {kind: {key: value if getattr(a, key) is None else getattr(a, key) for key, value in defaults.items()}
               for kind, defaults in STAGE1.items()}
@@ -395,7 +403,8 @@ def cold_start(a, kind):
     """mgrpo.py's cold-start options for a stage 1 of this kind ("system" or "single")."""
     c = a.cold[kind]
     return ["--sft-steps", str(c["sft_steps"]), "--sft-batch", str(c["sft_batch"]), "--sft-lr", str(c["sft_lr"]),
-            "--sft-warmup", str(c["sft_warmup"]), "--sft-draws", str(c["sft_draws"])]
+            "--sft-warmup", str(c["sft_warmup"]), "--sft-decay", str(c["sft_decay"]),
+            "--sft-draws", str(c["sft_draws"])]
 
 
 def main(argv=None):

@@ -78,6 +78,7 @@ def test_bad_options_fail_clearly(capsys):
                       (["--sft-draws", "0"], "--sft-draws"),
                       (["--sft-steps", "-1"], "--sft-steps"),
                       (["--sft-warmup", "1.5"], "--sft-warmup is a share"),
+                      (["--sft-decay", "0"], "--sft-decay is a share"),
                       (["--experiment", "other"], "invalid choice")]:
         with pytest.raises(SystemExit):
             compare.parse(argv)
@@ -91,17 +92,19 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     # the cold start's rounds, per kind of stage 1 (docs/stage1.md), whatever the experiment
     for a in (paper, single):
         assert compare.cold_start(a, "system") == ["--sft-steps", "1200", "--sft-batch", "64", "--sft-lr", "0.0015",
-                                                   "--sft-warmup", "0.05", "--sft-draws", "1"]
+                                                   "--sft-warmup", "0.05", "--sft-decay", "1.0", "--sft-draws", "1"]
         assert compare.cold_start(a, "single") == ["--sft-steps", "2400", "--sft-batch", "32", "--sft-lr", "0.0015",
-                                                   "--sft-warmup", "0.05", "--sft-draws", "2"]
+                                                   "--sft-warmup", "0.05", "--sft-decay", "1.0",
+                                                   "--sft-draws", "2"]
     assert paper.model_size == single.model_size == "0.4M"  # stage 1 builds 4-layer models
     mine = compare.parse(["--experiment", "single", "--sft-steps", "10", "--stage1-steps", "5", "--sft-levels", "3",
-                          "--sft-batch", "8", "--sft-lr", "1e-3", "--sft-warmup", "0", "--sft-draws", "3"])
+                          "--sft-batch", "8", "--sft-lr", "1e-3", "--sft-warmup", "0", "--sft-decay", "0.5",
+                          "--sft-draws", "3"])
     assert (mine.sft_levels, mine.sft_steps, mine.stage1_steps, mine.stage1_levels) == ("3", 10, 5, "3")
     for kind in ("system", "single"):
         assert compare.cold_start(mine, kind) == ["--sft-steps", "10", "--sft-batch", "8", "--sft-lr", "0.001",
-                                                  "--sft-warmup", "0.0", "--sft-draws", "3"]
-    assert compare.cold_start(compare.parse(["--sft-lr", "1e-3"]), "single")[-5] == "0.001"
+                                                  "--sft-warmup", "0.0", "--sft-decay", "0.5", "--sft-draws", "3"]
+    assert compare.cold_start(compare.parse(["--sft-lr", "1e-3"]), "single")[-7] == "0.001"
     # five stage 1s by default; unsync's stage 2 is shorter unless asked
     assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (90, 90)
     assert compare.parse(["--experiment", "unsync"]).stage2_steps == 80

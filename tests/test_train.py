@@ -95,6 +95,7 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
                       (["--sft-bare", "-0.1"], "--sft-decay are shares"),
                       (["--sft-warmup", "2"], "--sft-decay are shares"),
                       (["--sft-decay", "0"], "--sft-decay above 0"),
+                      (["--sft-weight-decay", "-0.1"], "--sft-weight-decay must be >= 0"),
                       (["--sft-jitter", "-1"], "--sft-decay are shares"),
                       (["--sft-draws", "0"], "--sft-draws, --eval-questions must be >= 1"),
                       (["--report-to", "mlflow"], "--report-to must be tensorboard or wandb"),

@@ -174,6 +174,8 @@ def cold_start_all(agents, steps, args, task, more=0, score=None):
 def kept_draw(agents, trained, score):
     """The agents given the weights of the best of the trained draws, {(name, draw): (final loss, weights;
     None: the weights the agent holds)}; an agent with one draw is in each. Returns (its draw, {name: loss})."""
+    if not trained:  # no agent had steps
+        return 0, {}
     names, n_draws = {n for n, _ in trained}, 1 + max(d for _, d in trained)
 
     def load(d):
@@ -199,13 +201,13 @@ def fresh_weights(agents, given, args, rnd):
             a.model.load_state_dict(built_model(a, args, n, rnd).state_dict())
 
 
-def draw_score(d, losses, args, check, checks):
+def draw_score(d, losses, args, check, checks, draws):
     """A draw's rank in a round with --sft-until: its check, check(level) on each demo level (kept in
-    `checks`), by the lowest level, then the sum, then the lowest summed final loss. Ranked by their final
-    loss alone, draws that passed and draws that failed lay 0.003 apart (docs/stage1.md)."""
+    `checks`), by the lowest level, then the sum, then the lowest summed final loss. The final loss alone
+    does not tell a draw that passes: one that failed ended among those that passed (docs/stage1.md)."""
     checks[d] = {lv: check(lv) for lv in sorted(set(levels(args.sft_levels, args.level)))}
-    if args.sft_draws > 1:
-        print(f"  draw {d + 1} of {args.sft_draws}: final loss " + " ".join(f"{n} {v:.3f}" for n, v in losses.items())
+    if draws > 1:
+        print(f"  draw {d + 1} of {draws}: final loss " + " ".join(f"{n} {v:.3f}" for n, v in losses.items())
               + ", check " + ", ".join(f"level {lv} {v:.3f}" for lv, v in checks[d].items()), flush=True)
     return min(checks[d].values()), sum(checks[d].values()), -sum(losses.values())
 
@@ -219,15 +221,16 @@ def cold_start_checked(agents, args, task, out, done, check):
     steps = cold_start_steps(args, {n: given[n] for n in agents})
     if not any(steps.values()) or (done and not args.sft_until):  # resumed without --sft-until: rounds done
         return
+    draws = 1 if all(given[n] for n in agents if steps[n]) else args.sft_draws  # a given model: one draw
     for more in range(done, 4 if args.sft_until else 1):
         t0, checks = time.time(), {}
         if more:
             fresh_weights(agents, given, args, more)
-        score = functools.partial(draw_score, args=args, check=check, checks=checks) if args.sft_until else None
-        kept, losses = cold_start_all(agents, steps, args, task, more, score)
+        score = functools.partial(draw_score, args=args, check=check, checks=checks, draws=draws)
+        kept, losses = cold_start_all(agents, steps, args, task, more, score if args.sft_until else None)
         print("cold start on noisy demos" + f" (round {more + 1}, from fresh weights)" * (more > 0) + ", final loss "
               + " ".join(f"{n} {v:.3f} ({steps[n]} steps)" for n, v in losses.items())
-              + f", draw {kept + 1} of {args.sft_draws} kept" * (args.sft_draws > 1 and not all(map(given.get, losses)))
+              + f", draw {kept + 1} of {draws} kept" * (draws > 1)
               + f" ({time.time() - t0:.0f}s)", flush=True)
         if not args.sft_until:
             return

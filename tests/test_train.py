@@ -205,6 +205,7 @@ def test_sft_draws_keep_the_draw_of_lowest_final_loss(monkeypatch):
         assert same(starts[d], fresh.state_dict())
     assert same(agent.model.state_dict(), ends[1]) and not same(ends[1], ends[0])  # the second draw's weights
     assert cold_start.draw_jobs({"main": 3, "sub": 0}, {"main": "a/path", "sub": ""}, args, 0).keys() == {("main", 0)}
+    assert cold_start.cold_start_all({"main": agent}, {"main": 0}, args, toy_tools) == (0, {})  # no steps, no draw
 
 
 def test_with_a_check_the_draw_of_best_check_is_kept(tmp_path, monkeypatch, capsys):

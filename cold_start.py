@@ -74,7 +74,7 @@ def cold_start(agent, kind, args, task, seed, steps):
     """`steps` steps of cross-entropy on the mask-1 tokens of fresh noisy demos, at the rate of sft_rate;
     the loss and the time left printed now and then. A non-finite loss stops the run before any
     checkpoint holds the broken weights. Returns the final loss: its mean over the last 2% of the steps
-    (at least one per demo level), steady enough to rank draws by (cold_start_all)."""
+    (at least one per demo level), steady enough to rank draws by where no check does (cold_start_all)."""
     opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98),
                             weight_decay=args.sft_weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup, args.sft_decay))
@@ -179,10 +179,11 @@ def kept_draw(agents, trained, score):
     names, n_draws = {n for n, _ in trained}, 1 + max(d for _, d in trained)
 
     def load(d):
-        for n in names:
-            if trained.get((n, d), trained[n, 0])[1] is not None:
-                agents[n].model.load_state_dict(trained.get((n, d), trained[n, 0])[1])
-        return {n: trained.get((n, d), trained[n, 0])[0] for n in names}
+        draw = {n: trained.get((n, d), trained[n, 0]) for n in names}
+        for n, (_, weights) in draw.items():
+            if weights is not None:
+                agents[n].model.load_state_dict(weights)
+        return {n: loss for n, (loss, _) in draw.items()}
     values = []
     for d in range(n_draws):
         losses = load(d)

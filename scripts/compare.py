@@ -29,7 +29,7 @@ stage-1 agents (--kl-coef 0.04), which the paper does not have (docs/experiments
     python scripts/compare.py --quick               # a very short version, to check the pipeline
 
 Each report in docs/ gives its own wall time. The cold start rules the cost: one round of a 0.4M
-single agent on levels 1 to 3 (two draws of 2400 steps of 32 demos, one per core) takes about 16
+single agent on levels 1 to 3 (two draws of 2400 steps of 32 demos, one per core) takes about 13
 minutes on 2 cores, and each round that fails the check adds one (docs/stage1.md). --resume
 continues a comparison that was cut off, after its last finished run or cold-start round.
 

@@ -118,21 +118,32 @@ def reads_by_distance(agent, kind, lengths=(8, 12), n=60):
     result list of the first search rebuilt with `length` facts (the list's own, then other country
     facts) and the person's friend (or city) fact k facts from its end, for each k; the share of greedy
     next words after "<think> X knows" ("X lives") that are the friend (the city). Each fact is 4
-    tokens, so k facts back is 4k tokens back."""
+    tokens, so k facts back is 4k tokens back. Then, per k in lists of the first length, the head that
+    attends most from there to the value in the list: the one that copies it (layer.head, weight)."""
     for rel in ("friend", "city"):
-        read = reads_of(agent, kind, rel, lengths, n)
+        read, heads = reads_of(agent, kind, rel, lengths, n)
         for length in lengths:
             print(f"  {rel}, list of {length}: " + ", ".join(f"{k} {sum(read[(length, k)]) / n:.2f}"
                                                            for k in range(1, length + 1)), flush=True)
+        print(f"  {rel}, the head that attends most to the value, list of {lengths[0]}: " + ", ".join(
+            f"{k} {top(heads[k] / n)}" for k in range(1, lengths[0] + 1)), flush=True)
+
+
+def top(weights):
+    """'layer.head weight' of the largest mean attention in a [layers, heads] tensor."""
+    i = int(weights.argmax())
+    return f"{i // weights.shape[1]}.{i % weights.shape[1]} {weights.max():.2f}"
 
 
 def reads_of(agent, kind, rel, lengths, n):
-    """reads_by_distance's reads of one relation: {(length, k): [right or not, per question]}."""
-    read, think = {}, agent.tok.convert_tokens_to_ids("<think>")
+    """reads_by_distance's reads of one relation: {(length, k): [right or not, per question]}, and per k
+    in lists of the first length the summed attention from the read's position to the value ([layers, heads])."""
+    read, heads, think = {}, {}, agent.tok.convert_tokens_to_ids("<think>")
+    agent.model.set_attn_implementation("eager")  # the attention weights, which sdpa does not return
     for i in range(n):
         q = toy_tools.make_question(10 ** 6 + i, 2)
         kb, x = toy_tools.knowledge_base(q.seed, 2), q.text.split()[-2]
-        fact = toy_tools.fact_text(rel, x, kb[(rel, x)])
+        fact, value = toy_tools.fact_text(rel, x, kb[(rel, x)]), agent.tok.convert_tokens_to_ids(kb[(rel, x)])
         facts = [r["content"] for r in toy_tools.search_results(q.seed, 2, x)]
         others = [f for f in facts if f != fact] + [f for f in (toy_tools.fact_text(
             "country", c, kb[("country", c)]) for c in toy_tools.CITIES) if f not in facts]
@@ -146,14 +157,17 @@ def reads_of(agent, kind, rel, lengths, n):
             for k in range(1, length + 1):
                 msgs[2] = {"role": "tool", "content": " ; ".join(rest[:length - k] + [fact] + rest[length - k:])}
                 t = cold_start.encode_demo(agent, msgs, kind)
-                rows.append(t)  # the agent reads on from "<think> X knows"
-                at.append((length, k, t.ids.index(think) + 2))
+                rows.append(t)  # the agent reads on from "<think> X knows"; the value, where it stands in the list
+                j = t.ids.index(think)
+                at.append((length, k, j + 2, max(p for p in range(j) if t.ids[p] == value)))
         ids, attn, _, _ = collate(rows, agent.pad_id, agent.model.device)
         with torch.no_grad():
-            logits = agent.model(input_ids=ids, attention_mask=attn).logits
-        for r, (length, k, j) in enumerate(at):
-            read.setdefault((length, k), []).append(agent.tok.decode([int(logits[r, j].argmax())]) == kb[(rel, x)])
-    return read
+            out = agent.model(input_ids=ids, attention_mask=attn, output_attentions=True)
+        for r, (length, k, j, v) in enumerate(at):
+            read.setdefault((length, k), []).append(agent.tok.decode([int(out.logits[r, j].argmax())]) == kb[(rel, x)])
+            if length == lengths[0]:
+                heads[k] = heads.get(k, 0) + torch.stack([a[r, :, j, v] for a in out.attentions]).float()
+    return read, heads
 
 
 def probe_sub(sub, args):

@@ -428,7 +428,8 @@ def test_sub_probe_script_runs():
         "  level 1", "  level 2", "  level 3",
         "sub-agent's greedy misses by the place of the asked fact in its result list (0", "  level 1", "  level 2",
         "  level 3", "sub-agent, level 2's facts about a person read (greedy), by how many facts back they stand",
-        "  friend, list of 8", "  friend, list of 12", "  city, list of 8", "  city, list of 12",
+        "  friend, list of 8", "  friend, list of 12", "  friend, the head that attends most to the value, list of 8",
+        "  city, list of 8", "  city, list of 12", "  city, the head that attends most to the value, list of 8",
         "main agent with a perfect sub-agent, success greedy / sampled", "  level 1", "  level 2", "  level 3"]
     for line in lines[i + 5:i + 8]:  # misses by place: none, or place: count pairs whose places are in a list
         places = line.split(": ", 1)[1]
@@ -453,12 +454,16 @@ def test_sub_probe_script_runs():
     for line in lines:  # each wrong first search: the places of the facts misread, each in its list
         if line.startswith("    search "):
             assert all(-1 <= int(p.split()[0]) < 12 for p in line.split("stood at places ")[1][:-12].split(", "))
-    # the friend fact read, per distance back: k = 1 to the list's length, each a share
-    for (rel, length), line in zip([(r, n) for r in ("friend", "city") for n in (8, 12)], lines[-4:]):
+    # the friend fact read, per distance back: k = 1 to the list's length, each a share; then per k
+    # the head (layer.head of the 0.2M model's 2 layers of 8 heads) that attends most to the value
+    for (rel, length), line in zip([(r, n) for r in ("friend", "city") for n in (8, 12, 0)], lines[-6:]):
         head, reads = line.split(": ", 1)
-        assert head == f"  {rel}, list of {length}"
-        assert [int(r.split()[0]) for r in reads.split(", ")] == list(range(1, length + 1))
-        assert all(0 <= float(r.split()[1]) <= 1 for r in reads.split(", "))
+        reads = [r.split() for r in reads.split(", ")]
+        heads = "the head that attends most to the value, list of 8"
+        assert head == f"  {rel}, " + (f"list of {length}" if length else heads)
+        assert [int(r[0]) for r in reads] == list(range(1, (length or 8) + 1))
+        assert all(0 <= float(r[-1]) <= 1 for r in reads)
+        assert length or all(int(r[1].split(".")[0]) < 2 and int(r[1].split(".")[1]) < 8 for r in reads)
 
 
 def test_sub_probe_reads_the_first_search_of_either_format():

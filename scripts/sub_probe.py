@@ -120,6 +120,8 @@ def reads_by_distance(agent, kind, lengths=(8, 12), n=60):
     next words after "<think> X knows" ("X lives") that are the friend (the city). Each fact is 4
     tokens, so k facts back is 4k tokens back. Then, per k in lists of the first length, the head that
     attends most from there to the value in the list: the one that copies it (layer.head, weight)."""
+    was = agent.model.config._attn_implementation
+    agent.model.set_attn_implementation("eager")  # the attention weights, which sdpa does not return
     for rel in ("friend", "city"):
         read, heads = reads_of(agent, kind, rel, lengths, n)
         for length in lengths:
@@ -127,6 +129,7 @@ def reads_by_distance(agent, kind, lengths=(8, 12), n=60):
                                                            for k in range(1, length + 1)), flush=True)
         print(f"  {rel}, the head that attends most to the value, list of {lengths[0]}: " + ", ".join(
             f"{k} {top(heads[k] / n)}" for k in range(1, lengths[0] + 1)), flush=True)
+    agent.model.set_attn_implementation(was)
 
 
 def top(weights):
@@ -139,7 +142,6 @@ def reads_of(agent, kind, rel, lengths, n):
     """reads_by_distance's reads of one relation: {(length, k): [right or not, per question]}, and per k
     in lists of the first length the summed attention from the read's position to the value ([layers, heads])."""
     read, heads, think = {}, {}, agent.tok.convert_tokens_to_ids("<think>")
-    agent.model.set_attn_implementation("eager")  # the attention weights, which sdpa does not return
     for i in range(n):
         q = toy_tools.make_question(10 ** 6 + i, 2)
         kb, x = toy_tools.knowledge_base(q.seed, 2), q.text.split()[-2]
@@ -164,7 +166,7 @@ def reads_of(agent, kind, rel, lengths, n):
         with torch.no_grad():
             out = agent.model(input_ids=ids, attention_mask=attn, output_attentions=True)
         for r, (length, k, j, v) in enumerate(at):
-            read.setdefault((length, k), []).append(agent.tok.decode([int(out.logits[r, j].argmax())]) == kb[(rel, x)])
+            read.setdefault((length, k), []).append(int(out.logits[r, j].argmax()) == value)
             if length == lengths[0]:
                 heads[k] = heads.get(k, 0) + torch.stack([a[r, :, j, v] for a in out.attentions]).float()
     return read, heads

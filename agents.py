@@ -162,16 +162,36 @@ SIZES = {  # models built here: (hidden, layers, heads, kv heads, MLP)
     "0.4M": (96, 4, 4, 2, 256), "1M": (128, 4, 4, 2, 512), "4M": (256, 4, 8, 4, 1024), "30M": (512, 8, 8, 4, 1536)}
 
 
-def build_model(tok, size, chat, seed):
+def build_model(tok, size, chat, seed, uniform=False):
     """A tiny model with random weights: Qwen2 for chat models, else Llama (a saved "qwen2" folder
-    would load Qwen2's BPE tokenizer over the word-level vocabulary)."""
+    would load Qwen2's BPE tokenizer over the word-level vocabulary). uniform: its first layer's
+    attention held uniform (freeze_uniform)."""
     torch.manual_seed(seed)
     shape = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
     cfg = dict(zip(shape, SIZES[size]), vocab_size=len(tok), tie_word_embeddings=False, bos_token_id=None,
                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     if chat:
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(max_position_embeddings=4096, **cfg))
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(max_position_embeddings=256, **cfg))
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(max_position_embeddings=4096, **cfg))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(max_position_embeddings=256, **cfg))
+    model.config.uniform_first_layer = uniform  # saved in config.json: a reload freezes the layer again
+    return freeze_uniform(model)
+
+
+def freeze_uniform(model):
+    """A model built with a uniform first layer: that layer's query and key projections held at 0 and
+    trained by no optimizer, so each of its heads takes the mean of the values of every token up to its
+    own, whatever the tokens. Why: tiny models trained on the toy task's result lists copied a fact with
+    first-layer heads that found it by its kind of word at a few distances back, and were blind at the
+    others (docs/stage1.md); with this layer, later layers do the copying. A stand-in for what
+    pretraining gives a real model; not part of M-GRPO."""
+    if getattr(model.config, "uniform_first_layer", False):
+        attn = model.model.layers[0].self_attn
+        for p in (*attn.q_proj.parameters(), *attn.k_proj.parameters()):  # Qwen2's biases too
+            with torch.no_grad():
+                p.zero_()
+            p.requires_grad_(False)
+    return model
 
 
 def checkpoint_activations(model, name):
@@ -208,9 +228,10 @@ def load_agent(name, args, task, seed=0, lr=None):
     elif name:
         tok = load_tokenizer(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)  # fp32 master weights
+        freeze_uniform(model)  # one built here and saved: its first layer is frozen anew
     else:
         tok = chat_tokenizer(task) if args.chat else word_tokenizer(task.WORDS)
-        model = build_model(tok, args.model_size, args.chat, seed)
+        model = build_model(tok, args.model_size, args.chat, seed, args.uniform_first_layer)
     if not tok.chat_template:
         raise ValueError(f"{name}: the tokenizer has no chat template; the agents need one (an instruct model)")
     for key in ("final_logit_softcapping", "logit_scale"):  # training runs the head itself (token_logprobs)

@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agents import add_adapter, build_model, load_agent, message_ids, new_traj, share_base
+from agents import adamw, add_adapter, build_model, load_agent, message_ids, new_traj, share_base
 from checkpoints import load_reference, save_checkpoint, save_frozen
 from run import agent_kinds, exit_with_parent, levels, load_task
 from sampling import collate, token_logprobs
@@ -75,8 +75,7 @@ def cold_start(agent, kind, args, task, seed, steps):
     the loss and the time left printed now and then. A non-finite loss stops the run before any
     checkpoint holds the broken weights. Returns the final loss: its mean over the last 2% of the steps
     (at least one per demo level), steady enough to rank draws by where no check does (cold_start_all)."""
-    opt = torch.optim.AdamW(agent.model.parameters(), lr=args.sft_lr, betas=(0.9, 0.98),
-                            weight_decay=args.sft_weight_decay)
+    opt = adamw(agent.model, args.sft_lr, args.sft_weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: sft_rate(i, steps, args.sft_warmup, args.sft_decay))
     rng, mix = random.Random(seed), levels(args.sft_levels, args.level)
     gen = torch.Generator().manual_seed(seed)
@@ -127,7 +126,8 @@ def cold_start_job(path, kind, args, seed, steps, parent):
 def built_model(agent, args, *seed):
     """A model like `agent`'s, built here from new random weights (an init seed from `seed`'s parts)."""
     with torch.random.fork_rng(devices=[]):  # the run's own RNG streams stay as they were
-        return build_model(agent.tok, args.model_size, args.chat, stable_seed(args.seed, "init", *seed))
+        return build_model(agent.tok, args.model_size, args.chat, stable_seed(args.seed, "init", *seed),
+                           args.uniform_first_layer)
 
 
 def draw_jobs(steps, given, args, more):

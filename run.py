@@ -223,7 +223,8 @@ def open_store(args):
 # may grow: positions up to the old end keep their phases) and its cold start (a resume without
 # --sft-until takes the rounds done as the cold start)
 SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
-            "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every",
+            "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat",
+            "uniform_first_layer", "eval_every",
             "sft_steps", "sft_levels", "sft_bare", "sft_warmup", "sft_decay", "sft_weight_decay", "sft_jitter",
             "sft_draws", "kl_coef", "lora_rank", "lora_alpha", "lora_targets", "share_base")
 

@@ -98,7 +98,7 @@ def test_untrained_models_run_a_whole_step(args, agents):
 def _grads(agent, trajs, adv, args):
     agent.opt = torch.optim.SGD(agent.model.parameters(), lr=0.0)  # keep weights, read .grad
     mgrpo.update_agent(agent, trajs, adv, args)
-    return torch.cat([p.grad.flatten() for p in agent.model.parameters()])
+    return torch.cat([p.grad.flatten() for p in agent.model.parameters() if p.requires_grad])
 
 
 @pytest.mark.parametrize("agg", ["seq-mean", "token-mean"])
@@ -271,3 +271,45 @@ def test_the_cold_start_steps_at_that_rate(monkeypatch):
     cold_start.cold_start(agent, "sub", args, toy_tools, 0, 4)
     assert seen == pytest.approx([1e-3 * cold_start.sft_rate(i, 4, 0.5) for i in range(4)])
     assert seen[0] < seen[1]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_first_layer_attends_to_every_earlier_token_alike(chat):
+    """--uniform-first-layer (the default for models built here): the first layer's attention is the
+    mean over the tokens up to each one, for any tokens, and differs in the layer above; built
+    without it, the first layer's attention depends on the tokens."""
+    def attention(uniform, ids):
+        argv = ["--model-size", "0.1M"] + (["--chat"] if chat else []) + ([] if uniform else ["--no-uniform-first-layer"])
+        model = helpers.load_agent("", mgrpo.parse_args(argv), seed=3).model
+        model.set_attn_implementation("eager")  # sdpa returns no attention weights
+        with torch.no_grad():
+            return model(input_ids=ids, output_attentions=True).attentions
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(3, 60, (1, 24), generator=gen) for _ in range(2))
+    first, above = attention(True, a)[:2]
+    mean = torch.tril(torch.ones(24, 24)) / torch.arange(1, 25)[:, None]  # row i: 1/(i+1) on tokens 0..i
+    assert torch.allclose(first, mean.expand_as(first), atol=1e-6)
+    assert not torch.allclose(above, attention(True, b)[1], atol=1e-3)
+    assert not torch.allclose(attention(False, a)[0], attention(False, b)[0], atol=1e-3)
+
+
+def test_the_uniform_first_layer_stays_so_through_training_saving_and_loading(tmp_path):
+    """The first layer's query and key projections are 0 and trained by no optimizer (the cold start's,
+    an agent's); everything else trains. A model saved and loaded by path is frozen the same way."""
+    import cold_start
+    for chat in (False, True):
+        args = mgrpo.parse_args(["--model-size", "0.1M", "--sft-batch", "2", "--max-new-tokens", "40"]
+                                + (["--chat"] if chat else []))
+        agent = helpers.load_agent("", args, seed=0)
+        before = {k: v.clone() for k, v in agent.model.state_dict().items()}
+        cold_start.cold_start(agent, "sub", args, toy_tools, 0, 2)
+        after = agent.model.state_dict()
+        frozen = {k for k in after if k.startswith("model.layers.0.self_attn.") and k.split(".")[-2] in ("q_proj", "k_proj")}
+        assert len(frozen) == (4 if chat else 2)  # Qwen2 has query and key biases
+        assert all(after[k].abs().sum() == 0 for k in frozen)
+        assert {k for k in after if torch.equal(after[k], before[k])} == frozen
+        agent.model.save_pretrained(tmp_path / str(chat))
+        agent.tok.save_pretrained(tmp_path / str(chat))
+        loaded = helpers.load_agent(str(tmp_path / str(chat)), args)
+        trained = {id(p) for g in loaded.opt.param_groups for p in g["params"]}
+        assert {k for k, p in loaded.model.named_parameters() if id(p) not in trained or p.requires_grad is False} == frozen

@@ -252,7 +252,7 @@ def test_a_shared_prompt_is_scored_once_with_the_same_logprobs_and_gradients(row
         else:
             lp = torch.cat([token_logprobs(a.model, ids[b:b + 1], attn[b:b + 1]) for b in range(len(ids))])
         (lp * weights).sum().backward()
-        return lp.detach(), [p.grad.clone() for p in a.model.parameters()], len(calls)
+        return lp.detach(), [p.grad.clone() for p in a.model.parameters() if p.requires_grad], len(calls)
 
     a.model.train()
     (alone, g_alone, _), (shared, g_shared, n_calls) = scored(False), scored(True)
@@ -296,7 +296,7 @@ def test_logprobs_only_where_the_mask_reads_them(shared, chat_agent):
         a.model.zero_grad()
         lp = token_logprobs(a.model, ids, attn, m) * mask
         (lp * weights).sum().backward()
-        return lp.detach(), [p.grad.clone() for p in a.model.parameters()]
+        return lp.detach(), [p.grad.clone() for p in a.model.parameters() if p.requires_grad]
 
     (full, g_full), (part, g_part) = scored(None), scored(mask)
     assert (full - part).abs().max() < 1e-5 and (part != 0).sum() == (mask[:, 1:] * attn[:, :-1]).sum()

@@ -29,8 +29,8 @@ stage-1 agents (--kl-coef 0.04), which the paper does not have (docs/experiments
     python scripts/compare.py --quick               # a very short version, to check the pipeline
 
 Each report in docs/ gives its own wall time. The cold start rules the cost: one round of a 0.4M
-single agent on levels 1 to 3 (two draws of 2400 steps of 32 demos, one per core) takes about 13
-minutes on 2 cores, and each round that fails the check adds one (docs/stage1.md). --resume
+single agent on levels 1 to 3 (2400 steps of 32 demos, on one core) takes about 13 minutes, and
+each round that fails the check adds one (docs/stage1.md). --resume
 continues a comparison that was cut off, after its last finished run or cold-start round.
 
 The report gives each arm's final success over all runs and per stage 1, and the paired
@@ -74,13 +74,13 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
                {"sft_levels": "1,2,3", "stage1_steps": 0}),
 }
 # stage 1's cold start where the options do not set it, per kind of stage 1 (docs/stage1.md). The system's: 1200
-# steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps (10 of 10 level-3 seeds pass within one
-# retry). The single agent's: 2400 steps of 32 (more updates, which its long level-3 demos needed), and since about
-# half of its cold starts pass at any setting tried, two draws per round, one per core, the one of best check kept.
+# steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps. The single agent's: 2400 steps of 32
+# (more updates, which its long level-3 demos needed); one draw a round since the models' first layer is uniform
+# (10 of 10 level-3 seeds passed in one round; before, about half of its draws did, and it had two a round).
 STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_decay": 1.0,
                      "sft_draws": 1},
           "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_decay": 1.0,
-                     "sft_draws": 2}}
+                     "sft_draws": 1}}
 STAGE1_STEPS, STAGE2_STEPS = 60, 90  # RL steps, where the experiment does not set its own
 
 

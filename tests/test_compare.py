@@ -95,7 +95,7 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
                                                    "--sft-warmup", "0.05", "--sft-decay", "1.0", "--sft-draws", "1"]
         assert compare.cold_start(a, "single") == ["--sft-steps", "2400", "--sft-batch", "32", "--sft-lr", "0.0015",
                                                    "--sft-warmup", "0.05", "--sft-decay", "1.0",
-                                                   "--sft-draws", "2"]
+                                                   "--sft-draws", "1"]
     assert paper.model_size == single.model_size == "0.4M"  # stage 1 builds 4-layer models
     mine = compare.parse(["--experiment", "single", "--sft-steps", "10", "--stage1-steps", "5", "--sft-levels", "3",
                           "--sft-batch", "8", "--sft-lr", "1e-3", "--sft-warmup", "0", "--sft-decay", "0.5",

@@ -185,12 +185,20 @@ def freeze_uniform(model):
     first-layer heads that found it by its kind of word at a few distances back, and were blind at the
     others (docs/stage1.md); with this layer, later layers do the copying. A stand-in for what
     pretraining gives a real model; not part of M-GRPO."""
-    if getattr(model.config, "uniform_first_layer", False):
-        attn = model.model.layers[0].self_attn
-        for p in (*attn.q_proj.parameters(), *attn.k_proj.parameters()):  # Qwen2's biases too
-            with torch.no_grad():
-                p.zero_()
-            p.requires_grad_(False)
+    flag = getattr(model.config, "uniform_first_layer", None)
+    if flag is None or flag is False:
+        return model
+    try:  # config.json of a folder given by path: anything
+        projs = (model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj)
+    except (AttributeError, IndexError, TypeError):
+        projs = ()
+    if flag is not True or not all(isinstance(p, torch.nn.Linear) for p in projs) or not projs:
+        raise ValueError(f"config.json's uniform_first_layer is {flag!r}: it must be true or false, and true only "
+                         "for a model whose first layer has query and key projections (a Llama or Qwen2 built here)")
+    for p in (*projs[0].parameters(), *projs[1].parameters()):  # Qwen2's biases too
+        with torch.no_grad():
+            p.zero_()
+        p.requires_grad_(False)
     return model
 
 

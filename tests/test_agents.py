@@ -12,6 +12,7 @@ import helpers
 import mgrpo
 import tools
 import toy_tools
+import agents as agents_module
 from agents import Traj, prompt_ids
 from cold_start import encode_demo
 from sampling import collate, token_logprobs
@@ -315,3 +316,20 @@ def test_the_uniform_first_layer_stays_so_through_training_saving_and_loading(tm
         loaded = helpers.load_agent(str(tmp_path / str(chat)), args)
         trained = {id(p) for g in loaded.opt.param_groups for p in g["params"]}
         assert {k for k, p in loaded.model.named_parameters() if id(p) not in trained or not p.requires_grad} == frozen
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, [True], {"a": 1}])
+def test_a_bad_uniform_first_layer_in_config_is_a_clear_error(tmp_path, args, agents, flag):
+    """config.json of a folder given by path can hold anything: a flag other than true or false, or
+    true on a model without query and key projections, is a clear error, not a crash or a silent change."""
+    main, _ = agents
+    model = copy.deepcopy(main.model)
+    model.config.uniform_first_layer = flag
+    model.save_pretrained(tmp_path)
+    main.tok.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="uniform_first_layer"):
+        helpers.load_agent(str(tmp_path), args)
+    model.config.uniform_first_layer = True
+    del model.model.layers[0].self_attn.q_proj
+    with pytest.raises(ValueError, match="uniform_first_layer"):
+        agents_module.freeze_uniform(model)

@@ -74,8 +74,8 @@ class Args:
     model_size: str = arg("0.2M", "size of the models built here: 0.1M, 0.2M, 0.4M, 1M, 4M or 30M")
     chat: bool = arg(False, "build the models as Qwen2 chat models (BPE, Qwen-style template, "
                      "JSON tool calls): the path real instruct models take")
-    uniform_first_layer: bool = arg(True, "the models built here attend alike to all earlier tokens in their "
-                                    "first layer, whatever the tokens (a departure: docs/stage1.md)")
+    uniform_first_layer: bool = arg(False, "build the models with a first layer that attends alike to all "
+                                    "earlier tokens; compare.py's stage 1s do (a departure: docs/stage1.md)")
     lr: float = arg(3e-4, "M-GRPO learning rate, both agents (the paper: 1e-6 for 30B models)")
     lr_sub: float = arg(0.0, "S's own learning rate; 0: --lr")
     weight_decay: float = arg(0.1, "AdamW weight decay; betas (0.9, 0.98) as in the paper")

@@ -123,9 +123,10 @@ def parse(argv=None):
                    f"{STAGE1['system']['sft_draws']} for the system, {STAGE1['single']['sft_draws']} for the single "
                    "agent")
     p.add_argument("--model-size", default="0.4M",
-                   help="size of the models that stage 1 builds (mgrpo.py --model-size); stage 2 starts from them. "
-                        "0.4M, 4 layers of 4 heads: with 2 layers of 8 (0.2M) the copy of a word out of a long "
-                        "result list was learned by some seeds and not others (docs/experiments.md)")
+                   help="size of the models that stage 1 builds (mgrpo.py --model-size), with a uniform first "
+                        "layer (--uniform-first-layer); stage 2 starts from them. 0.4M, 4 layers of 4 heads: with "
+                        "2 layers of 8 (0.2M) the copy of a word out of a long result list was learned by some "
+                        "seeds and not others (docs/experiments.md)")
     p.add_argument("--stage1-steps", type=int, default=None, help="RL steps in stage 1; default: 60 (single: 0)")
     p.add_argument("--stage1-levels", default="",
                    help="levels of stage 1's RL questions, in turn; empty: each level of the demos once (paper, "
@@ -423,6 +424,7 @@ def main(argv=None):
         shape = [x for key in ("--max-sub", "--main-max-turns") if key in stage2
                  for x in (key, stage2[stage2.index(key) + 1])]
         base = ["--level", "1", "--train-levels", a.stage1_levels, *shape, "--model-size", a.model_size,
+                "--uniform-first-layer",
                 "--sft-levels", a.sft_levels, "--sft-until", str(a.sft_until), "--steps", str(a.stage1_steps),
                 "--eval-every", "0", "--seed", str(s1), *common]
         if any(arm != "single-agent" for arm in a.arms):

@@ -277,7 +277,7 @@ def test_the_cold_start_steps_at_that_rate(monkeypatch):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_the_first_layer_attends_to_every_earlier_token_alike(chat):
-    """--uniform-first-layer (the default for models built here): the first layer's attention is the
+    """--uniform-first-layer (compare.py's stage 1s): the first layer's attention is the
     mean over the tokens up to each one, for any tokens, and differs in the layer above; built
     without it, the first layer's attention depends on the tokens."""
     def attention(uniform, ids):
@@ -298,11 +298,12 @@ def test_the_first_layer_attends_to_every_earlier_token_alike(chat):
 
 def test_the_uniform_first_layer_stays_so_through_training_saving_and_loading(tmp_path):
     """The first layer's query and key projections are 0 and trained by no optimizer (the cold start's,
-    an agent's); everything else trains. A model saved and loaded by path is frozen the same way."""
+    an agent's); everything else trains. A model saved and loaded by path is frozen the same way, with
+    or without the flag: its config.json says so."""
     import cold_start
     for chat in (False, True):
-        args = mgrpo.parse_args(["--model-size", "0.1M", "--sft-batch", "2", "--max-new-tokens", "40"]
-                                + (["--chat"] if chat else []))
+        args = mgrpo.parse_args(["--model-size", "0.1M", "--sft-batch", "2", "--max-new-tokens", "40",
+                                 "--uniform-first-layer", "--chat" if chat else "--no-chat"])
         agent = helpers.load_agent("", args, seed=0)
         before = {k: v.clone() for k, v in agent.model.state_dict().items()}
         cold_start.cold_start(agent, "sub", args, toy_tools, 0, 2)
@@ -313,7 +314,7 @@ def test_the_uniform_first_layer_stays_so_through_training_saving_and_loading(tm
         assert {k for k in after if torch.equal(after[k], before[k])} == frozen
         agent.model.save_pretrained(tmp_path / str(chat))
         agent.tok.save_pretrained(tmp_path / str(chat))
-        loaded = helpers.load_agent(str(tmp_path / str(chat)), args)
+        loaded = helpers.load_agent(str(tmp_path / str(chat)), mgrpo.parse_args(["--no-uniform-first-layer"]))
         trained = {id(p) for g in loaded.opt.param_groups for p in g["params"]}
         assert {k for k, p in loaded.model.named_parameters() if id(p) not in trained or not p.requires_grad} == frozen
 

@@ -139,6 +139,7 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
         assert f"| {arm} |" in md
     assert "Paired difference co-train - main-only" in md and "95% t-interval over the 2 stage 1s" in md
     assert "--mode main-only" in md and "--sft-levels 1,2,2" in md  # every command is written down
+    assert md.count("--uniform-first-layer") == 2  # the stage 1s build their models with it
     assert md.count("cold-start check passed after 1 round(s)") == 2  # each stage 1 says how its check went
     # a stage 1 that other runs start from is never replaced by one with other options, resumed or not
     for resume in ([], ["--resume"]):
@@ -159,6 +160,9 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
     s1 = weights(out / "stage1-levels122-seed2-system" / "sub")
     assert same(s1, weights(out / "paper" / "main-only-stage1seed2-seed1" / "sub"))
     assert not same(s1, weights(out / "paper" / "co-train-stage1seed2-seed1" / "sub"))
+    # ... and stage 2 keeps the first layer uniform: its query and key weights still 0
+    q = weights(out / "paper" / "co-train-stage1seed2-seed1" / "sub")["model.layers.0.self_attn.q_proj.weight"]
+    assert not q.any() and s1["model.layers.1.self_attn.q_proj.weight"].any()
     # the paired difference is the mean of the per-run differences
     fin = first["finals"]
     diffs = [a - b for s in (1, 2) for a, b in zip(fin[("co-train", s)]["sampled"], fin[("main-only", s)]["sampled"])]

@@ -167,7 +167,7 @@ def test_a_round_after_a_failed_check_starts_from_fresh_weights(tmp_path, monkey
     assert [k for k, _ in starts] == ["main", "sub"] * 4
     tok = word_tokenizer(toy_tools.WORDS)
     for i, (kind, w) in enumerate(starts[2:], 2):
-        fresh = cold_start.build_model(tok, "0.1M", False, tools.stable_seed(1, "init", kind, i // 2), True)
+        fresh = cold_start.build_model(tok, "0.1M", False, tools.stable_seed(1, "init", kind, i // 2))
         w_new = fresh.state_dict()
         assert same(w, w_new) and not same(w, ends[i - 2][1])  # new weights, not the last round's
     assert not same(starts[2][1], starts[0][1])  # a new draw, not the first round's init again
@@ -201,8 +201,7 @@ def test_sft_draws_keep_the_draw_of_lowest_final_loss(monkeypatch):
     assert kept == (1, {"main": 0.2}) and len(starts) == 3 and len(set(seeds)) == 3
     assert same(starts[0], first)
     for d in (1, 2):
-        fresh = cold_start.build_model(agent.tok, "0.1M", False, tools.stable_seed(1, "init", "main", 0, "draw", d),
-                                         True)
+        fresh = cold_start.build_model(agent.tok, "0.1M", False, tools.stable_seed(1, "init", "main", 0, "draw", d))
         assert same(starts[d], fresh.state_dict())
     assert same(agent.model.state_dict(), ends[1]) and not same(ends[1], ends[0])  # the second draw's weights
     assert cold_start.draw_jobs({"main": 3, "sub": 0}, {"main": "a/path", "sub": ""}, args, 0).keys() == {("main", 0)}

@@ -184,7 +184,8 @@ def freeze_uniform(model):
     own, whatever the tokens. Why: tiny models trained on the toy task's result lists copied a fact with
     first-layer heads that found it by its kind of word at a few distances back, and were blind at the
     others (docs/stage1.md); with this layer, later layers do the copying. A stand-in for what
-    pretraining gives a real model; not part of M-GRPO."""
+    pretraining gives a real model; not part of M-GRPO. (Frozen for clarity: with queries and keys
+    both 0, neither would get a gradient anyway.)"""
     flag = getattr(model.config, "uniform_first_layer", None)
     if flag is None or flag is False:
         return model

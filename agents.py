@@ -190,10 +190,11 @@ def freeze_uniform(model):
     if flag is None or flag is False:
         return model
     try:  # config.json of a folder given by path: anything
-        projs = (model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj)
+        attn = model.model.layers[0].self_attn
+        projs = [p for p in (attn.q_proj, attn.k_proj) if isinstance(p, torch.nn.Linear)]
     except (AttributeError, IndexError, TypeError):
-        projs = ()
-    if flag is not True or not all(isinstance(p, torch.nn.Linear) for p in projs) or not projs:
+        projs = []
+    if flag is not True or len(projs) != 2:
         raise ValueError(f"config.json's uniform_first_layer is {flag!r}: it must be true or false, and true only "
                          "for a model whose first layer has query and key projections (a Llama or Qwen2 built here)")
     for p in (*projs[0].parameters(), *projs[1].parameters()):  # Qwen2's biases too

@@ -122,14 +122,16 @@ def reads_by_distance(agent, kind, lengths=(8, 12), n=60):
     attends most from there to the value in the list: the one that copies it (layer.head, weight)."""
     was = agent.model.config._attn_implementation
     agent.model.set_attn_implementation("eager")  # the attention weights, which sdpa does not return
-    for rel in ("friend", "city"):
-        read, heads = reads_of(agent, kind, rel, lengths, n)
-        for length in lengths:
-            print(f"  {rel}, list of {length}: " + ", ".join(f"{k} {sum(read[(length, k)]) / n:.2f}"
-                                                           for k in range(1, length + 1)), flush=True)
-        print(f"  {rel}, the head that attends most to the value, list of {lengths[0]}: " + ", ".join(
-            f"{k} {top(heads[k] / n)}" for k in range(1, lengths[0] + 1)), flush=True)
-    agent.model.set_attn_implementation(was)
+    try:
+        for rel in ("friend", "city"):
+            read, heads = reads_of(agent, kind, rel, lengths, n)
+            for length in lengths:
+                print(f"  {rel}, list of {length}: " + ", ".join(f"{k} {sum(read[(length, k)]) / n:.2f}"
+                                                               for k in range(1, length + 1)), flush=True)
+            print(f"  {rel}, the head that attends most to the value, list of {lengths[0]}: " + ", ".join(
+                f"{k} {top(heads[k] / n)}" for k in range(1, lengths[0] + 1)), flush=True)
+    finally:  # the caller's model as it was, even when the probe fails
+        agent.model.set_attn_implementation(was)
 
 
 def top(weights):

@@ -335,7 +335,7 @@ def tables(finals, arms, stage1_seeds):
         v = {m: np.concatenate([finals[(arm, s1)][m] for s1 in stage1_seeds]) for m in ("sampled", "greedy")}
         lines.append(f"| {arm} | {v['sampled'].mean():.3f} ± {v['sampled'].std():.3f} | "
                      f"{v['greedy'].mean():.3f} ± {v['greedy'].std():.3f} | {len(v['sampled'])} |")
-    lines += ["", "| stage 1 | start of stage 2, sampled / greedy | "
+    lines += ["", f"| stage 1 | start of stage 2 ({arms[0]}), sampled / greedy | "
               + " | ".join(f"{arm}: sampled at the end (per seed) | greedy" for arm in arms) + " |",
               "|---|---|" + "---|---|" * len(arms)]
     for s1 in stage1_seeds:
@@ -346,6 +346,12 @@ def tables(finals, arms, stage1_seeds):
             row += [f"{np.mean(f['sampled']):.3f} ({', '.join(f'{x:.3f}' for x in f['sampled'])})",
                     f"{np.mean(f['greedy']):.3f}"]
         lines.append("| " + " | ".join(row) + " |")
+    if len({arm == "single-agent" for arm in arms}) > 1:  # the arms start from different stage 1s: each one's start
+        lines += ["", "| stage-1 seed | " + " | ".join(f"{arm}: start of stage 2, sampled / greedy" for arm in arms)
+                  + " |", "|---|" + "---|" * len(arms)]
+        lines += ["| " + " | ".join([str(s1)] + [f"{np.mean(finals[(arm, s1)]['start']):.3f} / "
+                                                 f"{np.mean(finals[(arm, s1)]['greedy_start']):.3f}" for arm in arms])
+                  + " |" for s1 in stage1_seeds]
     return "\n".join(lines)
 
 

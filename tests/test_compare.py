@@ -69,6 +69,20 @@ def test_recompute_reads_a_report_and_pools_stage1s(capsys):
     assert "stage 1s [1, 2, 3, 4, 5]" in out and "-0.004" in out and out.count("inconclusive") == 2
 
 
+def test_a_report_gives_each_arms_start_where_the_arms_start_from_different_stage1s(tmp_path):
+    def finals(start):
+        return {"sampled": [0.9, 0.8], "greedy": [1.0, 1.0], "start": [start] * 2, "greedy_start": [1.0] * 2}
+    arms = ["co-train", "single-agent"]
+    text = compare.tables({("co-train", 1): finals(0.465), ("single-agent", 1): finals(0.68)}, arms, [1])
+    assert "| 1 | 0.465 / 1.000 | 0.680 / 1.000 |" in text  # the single agent's own start, not the system's
+    (tmp_path / "results.md").write_text(text + "\n")
+    assert compare.read_report(str(tmp_path / "results.md")) == (
+        arms, {1: {arm: {"sampled": [0.9, 0.8], "greedy": 1.0} for arm in arms}})
+    both = ["co-train", "main-only"]
+    same_start = compare.tables({(arm, 1): finals(0.8) for arm in both}, both, [1])
+    assert "stage-1 seed" not in same_start  # one stage 1 for both arms: one start
+
+
 def test_bad_options_fail_clearly(capsys):
     for argv, msg in [(["--resume"], "--resume needs the --out"),
                       (["--seeds", "1", "1"], "must not repeat"),

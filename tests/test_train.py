@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -499,6 +500,56 @@ def test_sub_probe_gives_a_given_model_no_cold_start_unless_asked(tmp_path, monk
         with pytest.raises(KeyboardInterrupt):
             sub_probe.main(argv)
     assert asked == [{"main": 0, "sub": 600}, {"main": 7, "sub": 7}, {"main": 0}]
+
+
+def test_first_errors_names_each_rollouts_first_mistake():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import first_errors
+    from types import SimpleNamespace
+    from agents import Traj
+    q = toy_tools.make_question(5, 2)  # country of friend of X: three hops
+    kb, x = toy_tools.knowledge_base(q.seed, 2), q.text.split()[-2]
+    friend, city = kb[("friend", x)], kb[("city", kb[("friend", x)])]
+    chain = [f"friend of {x}", f"city of {friend}", f"country of {city}"]
+    right = [Traj([], [], [], task=chain[0], result=friend), Traj([], [], [], task=chain[1], result=city),
+             Traj([], [], [], task=chain[2], result=q.answer)]
+    wrong_value = next(p for p in toy_tools.PERSONS if p != friend)
+
+    def system(subs, n=3):
+        return first_errors.system_error(q, chain, Traj([], [], [], calls=list(range(n))), subs)
+    assert system(right, 2) == "M answered after 2 calls"
+    assert system([right[0], Traj([], [], [], task=f"city of {wrong_value}", result=city), right[2]]) == \
+        "M wrote sub-task 2 wrong"
+    assert system([Traj([], [], [], task=chain[0], result=wrong_value), *right[1:]]) == "S misread hop 1"
+    assert system(right) == "M's answer is not the value S returned"
+    agent = SimpleNamespace(tok=SimpleNamespace(decode=lambda ids: ids))
+    searches = [f"<search> {e} </search> <tool> ..." for e in (x, friend, city)]
+    assert first_errors.single_error(agent, chain, Traj(" ".join(searches[:1]), [], [])) == "answered after 1 searches"
+    assert first_errors.single_error(agent, chain, Traj(f"{searches[0]} <search> {wrong_value} </search>", [], [])) \
+        == "search 2 for a wrong entity"
+    assert first_errors.single_error(agent, chain, Traj(" ".join(searches), [], [])) == \
+        "answer wrong after every search right"
+
+
+def test_first_errors_reproduces_the_runs_evaluation(cold_start_dir, capsys):
+    """The script's sampled success is mgrpo.evaluate's on the same weights, and it counts every question."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import first_errors
+    argv = ["--level", "1", "--sft-steps", "0", "--eval-questions", "24", "--main-model", cold_start_dir["main"],
+            "--sub-model", cold_start_dir["sub"]]
+    first_errors.main(argv)
+    lines = capsys.readouterr().out.splitlines()
+    args = mgrpo.parse_args(argv)
+    main_agent = helpers.load_agent(args.main_model, args, seed=0)
+    sub = helpers.load_agent(args.sub_model, args, seed=1)
+    delegate = lambda *a: mgrpo.run_sub_agents(sub, args, toy_tools.ToySearch(), *a)  # noqa: E731
+    for line, greedy in zip(lines, (False, True)):
+        success = mgrpo.evaluate(main_agent, args, toy_tools, delegate, None, greedy)
+        assert line.startswith(f"{'greedy' if greedy else 'sampled'}: success {success:.3f}")
+    for line in lines:
+        right = round(float(line.split("success ")[1].split(";")[0]) * 24)
+        mistakes = re.findall(r" (\d+)(?:,|$)", line.split("first mistakes: ")[1])
+        assert right + sum(map(int, mistakes)) == 24, line
 
 
 def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, monkeypatch):

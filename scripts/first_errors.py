@@ -1,0 +1,83 @@
+"""Where each rollout of trained agents first goes wrong, on the held-out questions that mgrpo.py
+evaluates (the same questions and sampling seeds, so its sampled success is the run's evaluation).
+
+The system (--mode co-train): per hop of the question's chain, in order, whether M called S at all,
+whether M wrote the right sub-task ("friend of ada": the name that S returned at the hop before
+copied right), and whether S returned the right value; then whether M's answer is the value that S
+returned last. The single agent (--mode single-agent): per hop, whether it searched for the right
+entity (the first search copies the question's name; each later one the value read from the list
+before), then whether its answer is right. Sampled at temperature 1 as in evaluation, then greedy;
+with the tokens each agent sampled per question (each one a chance to go wrong at temperature 1).
+It probes the toy task only; docs/experiments.md uses it on the single experiment's runs:
+
+    python scripts/first_errors.py --level 3 --max-sub 4 --main-max-turns 5 --sft-steps 0 \\
+        --main-model <run>/main --sub-model <run>/sub
+    python scripts/first_errors.py --mode single-agent --level 3 --max-sub 4 --main-max-turns 5 \\
+        --sft-steps 0 --main-model <run>/main
+"""
+import collections
+import functools
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import mgrpo  # noqa: E402
+import toy_tools  # noqa: E402
+from agents import load_agent  # noqa: E402
+from sub_probe import sub_tasks  # noqa: E402
+
+
+def system_error(q, chain, traj, subs):
+    """The system's first mistake on question q: chain holds the right sub-task of each hop."""
+    calls = [subs[i] for i in traj.calls]
+    for h, task in enumerate(chain, 1):
+        if h > len(calls):
+            return f"M answered after {h - 1} calls"
+        if calls[h - 1].task.strip() != task:
+            return f"M wrote sub-task {h} wrong"
+        if not toy_tools.expert_score(q, task, calls[h - 1].result):
+            return f"S misread hop {h}"
+    return "M's answer is not the value S returned"
+
+
+def single_error(agent, chain, traj):
+    """The single agent's first mistake: its searches against the entity of each hop's sub-task."""
+    asked = re.findall(r"<search> (\S+) </search>", agent.tok.decode(traj.ids))
+    for h, task in enumerate(chain, 1):
+        if h > len(asked):
+            return f"answered after {h - 1} searches"
+        if asked[h - 1] != task.split()[-1]:
+            return f"search {h} for a wrong entity"
+    return "answer wrong after every search right"
+
+
+def main(argv=None):
+    args = mgrpo.parse_args(argv)
+    if args.task != "toy_tools" or not args.main_model or (args.mode != "single-agent" and not args.sub_model):
+        sys.exit("first_errors.py probes trained agents on the toy task: give --main-model (and --sub-model)")
+    agent = load_agent(args.main_model, args, toy_tools, seed=args.seed)
+    search, delegate = toy_tools.ToySearch(), None
+    if args.mode != "single-agent":
+        sub = load_agent(args.sub_model, args, toy_tools, seed=args.seed + 1)
+        delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
+    qs, tasks = sub_tasks(args.level, args.eval_questions)
+    chains = list(zip(*tasks.values()))  # per question, its sub-task per hop
+    for greedy in (False, True):
+        kinds, tokens = collections.Counter(), [0, 0]  # tokens sampled by M (or the single agent), by S
+        for s in range(0, len(qs), 256):  # the batches and seeds of mgrpo.evaluate
+            trajs, subs = mgrpo.rollout(agent, qs[s:s + 256], 1, args, mgrpo.stable_seed("eval", s), delegate,
+                                        search, greedy)
+            tokens[0] += sum(sum(t.mask) for t in trajs)
+            tokens[1] += sum(sum(t.mask) for t in subs)
+            for t, q, chain in zip(trajs, qs[s:s + 256], chains[s:s + 256]):
+                kinds["right" if t.ok and toy_tools.answer_correct(q, t.result) else
+                      single_error(agent, chain, t) if delegate is None else system_error(q, chain, t, subs)] += 1
+        per_q = f"{tokens[0] / len(qs):.1f}" + (f" by M, {tokens[1] / len(qs):.1f} by S" if delegate else "")
+        print(f"{'greedy' if greedy else 'sampled'}: success {kinds['right'] / len(qs):.3f}; tokens sampled per "
+              f"question {per_q}; first mistakes: "
+              + (", ".join(f"{k} {v}" for k, v in kinds.most_common() if k != "right") or "none"), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -531,14 +531,23 @@ def test_first_errors_names_each_rollouts_first_mistake():
         "answer wrong after every search right"
 
 
-def test_first_errors_reproduces_the_runs_evaluation(cold_start_dir, capsys):
-    """The script's sampled success is mgrpo.evaluate's on the same weights, and it counts every question."""
+def test_first_errors_reproduces_the_runs_evaluation(cold_start_dir, capsys, monkeypatch):
+    """The script samples the very rollouts of mgrpo.evaluate (same questions, seeds, token ids), so
+    its success is the run's; and it counts every question once."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import first_errors
     argv = ["--level", "1", "--sft-steps", "0", "--eval-questions", "24", "--main-model", cold_start_dir["main"],
             "--sub-model", cold_start_dir["sub"]]
+    rollouts, rollout = [], mgrpo.rollout
+
+    def spy(*a, **kw):
+        out = rollout(*a, **kw)
+        rollouts.append([t.ids for t in out[0]] + [t.ids for t in out[1]])
+        return out
+    monkeypatch.setattr(mgrpo, "rollout", spy)
     first_errors.main(argv)
-    lines = capsys.readouterr().out.splitlines()
+    lines, theirs = capsys.readouterr().out.splitlines(), rollouts[:]
+    rollouts.clear()
     args = mgrpo.parse_args(argv)
     main_agent = helpers.load_agent(args.main_model, args, seed=0)
     sub = helpers.load_agent(args.sub_model, args, seed=1)
@@ -546,6 +555,7 @@ def test_first_errors_reproduces_the_runs_evaluation(cold_start_dir, capsys):
     for line, greedy in zip(lines, (False, True)):
         success = mgrpo.evaluate(main_agent, args, toy_tools, delegate, None, greedy)
         assert line.startswith(f"{'greedy' if greedy else 'sampled'}: success {success:.3f}")
+    assert len(theirs) == 2 and theirs == rollouts  # sampled, then greedy: token for token
     for line in lines:
         right = round(float(line.split("success ")[1].split(";")[0]) * 24)
         mistakes = re.findall(r" (\d+)(?:,|$)", line.split("first mistakes: ")[1])

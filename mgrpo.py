@@ -528,14 +528,18 @@ def schedule(args):
     return phases
 
 
-def evaluate(main_agent, args, task, delegate, search, greedy=False, first=EVAL_SEED):
-    """Success on the held-out questions, sampled (temperature 1, as in training) or greedy."""
+def eval_rollouts(main_agent, args, task, delegate, search, greedy=False, first=EVAL_SEED):
+    """The held-out questions in batches of 256, each with its rollouts: (questions, M's, S's)."""
     questions = [task.make_question(first + i, args.level) for i in range(args.eval_questions)]
-    correct = []
     for s in range(0, len(questions), 256):
         batch = questions[s:s + 256]
-        seed = stable_seed("eval", s)
-        trajs, _ = rollout(main_agent, batch, 1, args, seed, delegate, search, greedy)
+        yield (batch, *rollout(main_agent, batch, 1, args, stable_seed("eval", s), delegate, search, greedy))
+
+
+def evaluate(main_agent, args, task, delegate, search, greedy=False, first=EVAL_SEED):
+    """Success on the held-out questions, sampled (temperature 1, as in training) or greedy."""
+    correct = []
+    for batch, trajs, _ in eval_rollouts(main_agent, args, task, delegate, search, greedy, first):
         correct += [t.ok and task.answer_correct(q, t.result) for t, q in zip(trajs, batch)]
     return float(np.mean(correct))
 

@@ -61,16 +61,14 @@ def main(argv=None):
     if args.mode != "single-agent":
         sub = load_agent(args.sub_model, args, toy_tools, seed=args.seed + 1)
         delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
-    qs, tasks = sub_tasks(args.level, args.eval_questions)
-    chains = list(zip(*tasks.values()))  # per question, its sub-task per hop
+    qs, tasks = sub_tasks(args.level, args.eval_questions)  # the questions of mgrpo.evaluate, in its order
     for greedy in (False, True):
+        chains = zip(*tasks.values())  # per question, its sub-task per hop
         kinds, tokens = collections.Counter(), [0, 0]  # tokens sampled by M (or the single agent), by S
-        for s in range(0, len(qs), 256):  # the batches and seeds of mgrpo.evaluate
-            trajs, subs = mgrpo.rollout(agent, qs[s:s + 256], 1, args, mgrpo.stable_seed("eval", s), delegate,
-                                        search, greedy)
+        for batch, trajs, subs in mgrpo.eval_rollouts(agent, args, toy_tools, delegate, search, greedy):
             tokens[0] += sum(sum(t.mask) for t in trajs)
             tokens[1] += sum(sum(t.mask) for t in subs)
-            for t, q, chain in zip(trajs, qs[s:s + 256], chains[s:s + 256]):
+            for t, q, chain in zip(trajs, batch, chains):
                 kinds["right" if t.ok and toy_tools.answer_correct(q, t.result) else
                       single_error(agent, chain, t) if delegate is None else system_error(q, chain, t, subs)] += 1
         per_q = f"{tokens[0] / len(qs):.1f}" + (f" by M, {tokens[1] / len(qs):.1f} by S" if delegate else "")

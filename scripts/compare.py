@@ -58,10 +58,11 @@ ARMS = {"co-train": ["--mode", "co-train"],
         "co-train unsync": ["--mode", "co-train", "--unsync"],
         "main-only": ["--mode", "main-only"],
         "single-agent": ["--mode", "single-agent"]}
-# Stage 2 clips gradients at 0.1, about their median norm here, not 1.0: at level 3, two of three co-train
-# runs fell to 0 at 1.0. At level 2 that was not enough (2 of 30 runs fell for good), so stage 2 also keeps
-# each agent near its stage-1 self with a k3 KL penalty, 0.04 as in DeepSeekMath's GRPO; the paper has none
-# (docs/experiments.md)
+# Every RL phase (stage 1's, where it has steps, and stage 2) clips gradients at 0.1, about their median norm
+# here, not 1.0: at level 3, two of three co-train runs fell to 0 at 1.0. At level 2 that was not enough (2 of
+# 30 runs fell for good), so RL also keeps each agent near where it started (stage 2: its stage-1 self; stage
+# 1: its cold start) with a k3 KL penalty, 0.04 as in DeepSeekMath's GRPO; the paper has none. Stage 1's RL
+# had neither until it broke M's level-2 plan for 2 of 5 stage 1s (docs/experiments.md)
 STAGE2 = ["--grad-clip", "0.1", "--kl-coef", "0.04"]
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *STAGE2], {"sft_levels": "1,2,2"}),
@@ -432,7 +433,7 @@ def main(argv=None):
         base = ["--level", "1", "--train-levels", a.stage1_levels, *shape, "--model-size", a.model_size,
                 "--uniform-first-layer",
                 "--sft-levels", a.sft_levels, "--sft-until", str(a.sft_until), "--steps", str(a.stage1_steps),
-                "--eval-every", "0", "--seed", str(s1), *common]
+                "--eval-every", "0", "--seed", str(s1), *(STAGE2 if a.stage1_steps else []), *common]
         if any(arm != "single-agent" for arm in a.arms):
             stage1[f"{s1_prefix}-seed{s1}-system"] = base + cold_start(a, "system")
         if "single-agent" in a.arms:

@@ -123,8 +123,7 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (90, 90)
     assert compare.parse(["--experiment", "unsync"]).stage2_steps == 80
     assert compare.parse(["--experiment", "unsync", "--stage2-steps", "7"]).stage2_steps == 7
-    # every experiment's stage 2 clips gradients at 0.1 and keeps both arms near stage 1 (KL 0.04);
-    # stage 1 at mgrpo.py's defaults (no KL: its cold start is its own reference)
+    # every experiment's stage 2 clips gradients at 0.1 and keeps both arms near stage 1 (KL 0.04)
     for name, (_, stage2, _) in compare.EXPERIMENTS.items():
         assert stage2[stage2.index("--grad-clip") + 1] == "0.1", name
         assert stage2[stage2.index("--kl-coef") + 1] == "0.04", name
@@ -154,6 +153,10 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
     assert "Paired difference co-train - main-only" in md and "95% t-interval over the 2 stage 1s" in md
     assert "--mode main-only" in md and "--sft-levels 1,2,2" in md  # every command is written down
     assert md.count("--uniform-first-layer") == 2  # the stage 1s build their models with it
+    # stage 1's RL is guarded as stage 2's is (at clip 1.0 and no KL it broke M's level-2 plan), and its
+    # KL reference is the cold start that the run made
+    assert md.count("--steps 2 --eval-every 0 --seed 1 --grad-clip 0.1 --kl-coef 0.04") == 1
+    assert (out / "stage1-levels122-seed1-system" / "ref" / "main").is_dir()
     assert md.count("cold-start check passed after 1 round(s)") == 2  # each stage 1 says how its check went
     # a stage 1 that other runs start from is never replaced by one with other options, resumed or not
     for resume in ([], ["--resume"]):

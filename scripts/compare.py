@@ -62,7 +62,8 @@ ARMS = {"co-train": ["--mode", "co-train"],
 # here, not 1.0: at level 3, two of three co-train runs fell to 0 at 1.0. At level 2 that was not enough (2 of
 # 30 runs fell for good), so RL also keeps each agent near where it started (stage 2: its stage-1 self; stage
 # 1: its cold start) with a k3 KL penalty, 0.04 as in DeepSeekMath's GRPO; the paper has none. Stage 1's RL
-# had neither until it broke M's level-2 plan for 2 of 5 stage 1s (docs/experiments.md)
+# had neither until it broke M's level-2 plan for 2 of 5 stage 1s (docs/experiments.md). mgrpo.py's
+# --grad-clip also clips the cold start, so a stage 1 with RL steps clips its cold start at 0.1 too
 STAGE2 = ["--grad-clip", "0.1", "--kl-coef", "0.04"]
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *STAGE2], {"sft_levels": "1,2,2"}),

@@ -64,15 +64,15 @@ ARMS = {"co-train": ["--mode", "co-train"],
 # 1: its cold start) with a k3 KL penalty, 0.04 as in DeepSeekMath's GRPO; the paper has none. Stage 1's RL
 # had neither until it broke M's level-2 plan for 2 of 5 stage 1s (docs/experiments.md). mgrpo.py's
 # --grad-clip also clips the cold start, so a stage 1 with RL steps clips its cold start at 0.1 too
-STAGE2 = ["--grad-clip", "0.1", "--kl-coef", "0.04"]
+RL_GUARD = ["--grad-clip", "0.1", "--kl-coef", "0.04"]
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
-    "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *STAGE2], {"sft_levels": "1,2,2"}),
+    "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *RL_GUARD], {"sft_levels": "1,2,2"}),
     # S at M's learning rate: at 1e-3 it drifted from stage 1 and sync co-training fell below its start;
     # 5e-4 did no better than M's rate (docs/stage2-probes.md)
-    "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", *STAGE2],
+    "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", *RL_GUARD],
                {"sft_levels": "1,2,2", "stage2_steps": 80}),  # its stage 1s are the paper experiment's
     # stage 1 without RL: 60 RL steps on levels 1, 2, 3 in turn broke M's four-hop plan
-    "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *STAGE2],
+    "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *RL_GUARD],
                {"sft_levels": "1,2,3", "stage1_steps": 0}),
 }
 # stage 1's cold start where the options do not set it, per kind of stage 1 (docs/stage1.md). The system's: 1200
@@ -434,7 +434,7 @@ def main(argv=None):
         base = ["--level", "1", "--train-levels", a.stage1_levels, *shape, "--model-size", a.model_size,
                 "--uniform-first-layer",
                 "--sft-levels", a.sft_levels, "--sft-until", str(a.sft_until), "--steps", str(a.stage1_steps),
-                "--eval-every", "0", "--seed", str(s1), *(STAGE2 if a.stage1_steps else []), *common]
+                "--eval-every", "0", "--seed", str(s1), *(RL_GUARD if a.stage1_steps else []), *common]
         if any(arm != "single-agent" for arm in a.arms):
             stage1[f"{s1_prefix}-seed{s1}-system"] = base + cold_start(a, "system")
         if "single-agent" in a.arms:

@@ -3,12 +3,14 @@ uncertainty that comes from both.
 
 Every run follows the paper's two-stage curriculum. Stage 1, once per --stage1-seeds: a cold
 start on noisy scripted demos of the task's levels (the stand-in for a pretrained model) that
-goes on until the system passes a greedy check on each level (--sft-until), then
---stage1-steps of M-GRPO, evaluated on level 1, on questions of level 1 and of the harder
-levels in turn (--stage1-levels; the paper's stage 1 sees easy questions only, but a 0.2M main
-agent trained on two-hop questions alone forgets how to plan three hops). Stage 2: every arm
-starts from that stage 1 and trains --stage2-steps on harder questions, once per --seeds. The
-single agent gets a stage 1 of its own, built the same way. Arms (the paper's Sec. 4):
+goes on until the system passes a greedy check on each level (--sft-until). By default that is
+all of stage 1, a departure from the paper, whose stage 1 also trains with RL on easy questions:
+here those RL steps broke M's level-2 plan in 2 of 5 stage 1s, and in 1 of 5 with RL guarded
+(docs/experiments.md), so the comparison measured which stage 1 broke. --stage1-steps N adds
+the paper's RL steps, on questions of level 1 and of the harder levels in turn (--stage1-levels;
+a 0.2M main agent trained on two-hop questions alone forgets how to plan three hops). Stage 2:
+every arm starts from that stage 1 and trains --stage2-steps on harder questions, once per
+--seeds. The single agent gets a stage 1 of its own, built the same way. Arms (the paper's Sec. 4):
   co-train          M-GRPO: both agents train
   co-train unsync   the same, S trained one step behind (the paper's off-policy version)
   main-only         S frozen as stage 1 left it, M trains
@@ -18,8 +20,7 @@ single agent gets a stage 1 of its own, built the same way. Arms (the paper's Se
   paper    level 2 (3 hops, 8 noisy snippets per search): co-train against main-only
   unsync   level 2, as paper: co-train against unsync
   single   level 3 (4 hops, 11 or 12 noisy snippets), where a single agent's context grows to about
-           230 tokens while M's stays near 50: co-train against single-agent. Its stage 1 is the
-           cold start alone
+           230 tokens while M's stays near 50: co-train against single-agent
 Every experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0, and adds a KL penalty to the
 stage-1 agents (--kl-coef 0.04), which the paper does not have (docs/experiments.md says why).
 
@@ -71,9 +72,8 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
     # 5e-4 did no better than M's rate (docs/stage2-probes.md)
     "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", *RL_GUARD],
                {"sft_levels": "1,2,2", "stage2_steps": 80}),  # its stage 1s are the paper experiment's
-    # stage 1 without RL: 60 RL steps on levels 1, 2, 3 in turn broke M's four-hop plan
     "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *RL_GUARD],
-               {"sft_levels": "1,2,3", "stage1_steps": 0}),
+               {"sft_levels": "1,2,3"}),
 }
 # stage 1's cold start where the options do not set it, per kind of stage 1 (docs/stage1.md). The system's: 1200
 # steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps. The single agent's: 2400 steps of 32
@@ -83,7 +83,9 @@ STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_
                      "sft_draws": 1},
           "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_decay": 1.0,
                      "sft_draws": 1}}
-STAGE1_STEPS, STAGE2_STEPS = 60, 90  # RL steps, where the experiment does not set its own
+# RL steps, where the experiment does not set its own. Stage 1 has none (see the docstring): at level 3, 60 steps
+# on levels 1, 2, 3 in turn broke M's four-hop plan; at level 2, 60 steps broke it in 2 of 5 stage 1s
+STAGE1_STEPS, STAGE2_STEPS = 0, 90
 
 
 def parse(argv=None):
@@ -129,7 +131,8 @@ def parse(argv=None):
                         "layer (--uniform-first-layer); stage 2 starts from them. 0.4M, 4 layers of 4 heads: with "
                         "2 layers of 8 (0.2M) the copy of a word out of a long result list was learned by some "
                         "seeds and not others (docs/experiments.md)")
-    p.add_argument("--stage1-steps", type=int, default=None, help="RL steps in stage 1; default: 60 (single: 0)")
+    p.add_argument("--stage1-steps", type=int, default=STAGE1_STEPS,
+                   help="RL steps in stage 1, as the paper's stage 1 has; 0: the cold start alone")
     p.add_argument("--stage1-levels", default="",
                    help="levels of stage 1's RL questions, in turn; empty: each level of the demos once (paper, "
                         "unsync: 1,2; single: 1,2,3); 1: the paper's stage 1 of easy questions only")
@@ -158,7 +161,6 @@ def parse(argv=None):
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
     own = EXPERIMENTS[a.experiment][2]
     a.sft_levels = a.sft_levels or own["sft_levels"]
-    a.stage1_steps = own.get("stage1_steps", STAGE1_STEPS) if a.stage1_steps is None else a.stage1_steps
     a.stage2_steps = own.get("stage2_steps", STAGE2_STEPS) if a.stage2_steps is None else a.stage2_steps
     a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
     if a.quick:

@@ -562,6 +562,27 @@ def test_first_errors_reproduces_the_runs_evaluation(cold_start_dir, capsys, mon
         assert right + sum(map(int, mistakes)) == 24, line
 
 
+def test_answer_margin_reads_where_m_answers(cold_start_dir, capsys):
+    """Cut before each greedy answer, the context's next token is <answer> for the M that ran: its
+    margin over <call> is never below 0, and another M is read at the very same places."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import answer_margin
+    argv = ["--level", "1", "--sft-steps", "0", "--eval-questions", "16", "--main-model", cold_start_dir["main"],
+            "--sub-model", cold_start_dir["sub"], "--compare", cold_start_dir["main"]]
+    contexts = answer_margin.main(argv)
+    out = capsys.readouterr().out.splitlines()
+    assert contexts and out[0].startswith(f"{len(contexts)} of 16 questions answered")
+    assert all(c[-1] == contexts[0][-1] for c in contexts)  # each ends where M's turn begins
+    mine, again = out[1].split(": ", 1)[1], out[2].split(": ", 1)[1]
+    assert mine == again and f"below 0 at 0 of {len(contexts)}" in mine
+    agent = helpers.load_agent(cold_start_dir["main"], mgrpo.parse_args(argv[:-2]), seed=0)
+    ids = agent.tok.convert_tokens_to_ids(["<answer>", "<call>"])
+    assert (answer_margin.margins(agent, contexts, *ids) >= 0).all()
+    assert (answer_margin.margins(agent, contexts, *ids[::-1]) <= 0).all()
+    with pytest.raises(SystemExit):
+        answer_margin.main(["--main-model", cold_start_dir["main"]])  # no sub-agent to run
+
+
 def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, monkeypatch):
     """--dtype bfloat16 (autocast), gradient checkpointing, micro-batches and the KL to a
     frozen reference together; a crash in step 3, then a resume that must find the same reference."""

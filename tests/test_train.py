@@ -577,8 +577,14 @@ def test_answer_margin_reads_where_m_answers(cold_start_dir, capsys):
     assert mine == again and f"below 0 at 0 of {len(contexts)}" in mine
     agent = helpers.load_agent(cold_start_dir["main"], mgrpo.parse_args(argv[:-2]), seed=0)
     ids = agent.tok.convert_tokens_to_ids(["<answer>", "<call>"])
-    assert (answer_margin.margins(agent, contexts, *ids) >= 0).all()
-    assert (answer_margin.margins(agent, contexts, *ids[::-1]) <= 0).all()
+    got = answer_margin.margins(agent, contexts, *ids)
+    assert (got >= 0).all() and (answer_margin.margins(agent, contexts, *ids[::-1]) == -got).all()
+    from sampling import token_logprobs  # the training path: the next token of each context, one per row
+    with torch.no_grad():
+        last = [[float(token_logprobs(agent.model, torch.tensor([c + [t]]), torch.ones(1, len(c) + 1,
+                                                                                       dtype=torch.long))[0, -1])
+                 for t in ids] for c in contexts[:4]]
+    assert all(abs(g - (a - b)) < 1e-4 for g, (a, b) in zip(got, last)) and len(last) > 0
     with pytest.raises(SystemExit):
         answer_margin.main(["--main-model", cold_start_dir["main"]])  # no sub-agent to run
 

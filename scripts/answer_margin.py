@@ -12,7 +12,6 @@ uses it on a run whose M began to delegate a fourth time after one update:
         --compare <stage 1>/main <run at 18 steps>/main
 """
 import argparse
-import functools
 import os
 import sys
 
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mgrpo  # noqa: E402
 import toy_tools  # noqa: E402
 from agents import load_agent  # noqa: E402
+from first_errors import trained_agents  # noqa: E402
 
 
 def answer_contexts(agent, args, delegate, search, open_id):
@@ -52,12 +52,9 @@ def main(argv=None):
     p.add_argument("--compare", nargs="*", default=[], help="other main agents to read at the same places")
     own, rest = p.parse_known_args(argv)
     args = mgrpo.parse_args(rest)
-    if args.task != "toy_tools" or args.mode == "single-agent" or not (args.main_model and args.sub_model):
-        sys.exit("answer_margin.py reads a trained system on the toy task: give --main-model and --sub-model")
-    agent = load_agent(args.main_model, args, toy_tools, seed=args.seed)
-    sub = load_agent(args.sub_model, args, toy_tools, seed=args.seed + 1)
-    search = toy_tools.ToySearch()
-    delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
+    if args.mode == "single-agent":
+        sys.exit("answer_margin.py reads a system's main agent: --mode co-train, with --sub-model")
+    agent, search, delegate = trained_agents(args, "answer_margin.py")
     open_id, call_id = agent.tok.convert_tokens_to_ids("<answer>"), agent.tok.convert_tokens_to_ids("<call>")
     contexts = answer_contexts(agent, args, delegate, search, open_id)
     print(f"{len(contexts)} of {args.eval_questions} questions answered (greedy) by {args.main_model}")

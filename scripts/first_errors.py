@@ -52,15 +52,22 @@ def single_error(agent, chain, traj):
     return "answer wrong after every search right"
 
 
-def main(argv=None):
-    args = mgrpo.parse_args(argv)
+def trained_agents(args, script):
+    """The trained main agent (or single agent), the toy search, and its delegate to S (None alone),
+    seeded as mgrpo.py's evaluation seeds them; a clear exit where the options name no such agents."""
     if args.task != "toy_tools" or not args.main_model or (args.mode != "single-agent" and not args.sub_model):
-        sys.exit("first_errors.py probes trained agents on the toy task: give --main-model (and --sub-model)")
+        sys.exit(f"{script} probes trained agents on the toy task: give --main-model (and --sub-model)")
     agent = load_agent(args.main_model, args, toy_tools, seed=args.seed)
     search, delegate = toy_tools.ToySearch(), None
     if args.mode != "single-agent":
         sub = load_agent(args.sub_model, args, toy_tools, seed=args.seed + 1)
         delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
+    return agent, search, delegate
+
+
+def main(argv=None):
+    args = mgrpo.parse_args(argv)
+    agent, search, delegate = trained_agents(args, "first_errors.py")
     qs, tasks = sub_tasks(args.level, args.eval_questions)  # the questions of mgrpo.evaluate, in its order
     for greedy in (False, True):
         chains = zip(*tasks.values())  # per question, its sub-task per hop

@@ -1,5 +1,6 @@
 """Checkpoints of a run: each agent's weights, tokenizer and optimizer state, the RNG states, the unsync
-batch and the place in the schedule; and the frozen reference of --kl-coef.
+batch and the place in the schedule; the frozen reference of --kl-coef; and the run's folder as a run
+begins: a --resume from its last checkpoint, or a fresh start.
 
 A checkpoint is a folder <out>/ckpt-<schedule position>, or ckpt-<position>.<n> when that position is
 saved again (each cold-start round saves position 0); its state.pt loads with weights_only=True, so
@@ -8,7 +9,10 @@ folder, is fsynced, and is renamed to a name no checkpoint has, and only then do
 renamed aside before it is deleted). So a kill at any instruction leaves a whole copy to resume
 from: the new one, or the one before.
 """
+import contextlib
 import dataclasses
+import fcntl
+import json
 import os
 import random
 import re
@@ -19,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agents import Traj
+from run import agent_names
 
 NAME = re.compile(r"ckpt-(\d{8})(?:\.(\d+))?")
 KEEP = 2  # checkpoints kept
@@ -165,3 +170,126 @@ def load_reference(out, agents, device):
         dtype = torch.bfloat16 if a.bf16 else torch.float32
         a.ref = AutoModelForCausalLM.from_pretrained(os.path.join(out, "ref", n), dtype=dtype)
         a.ref.to(device).eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------
+# The run's folder: a resume, or a fresh start
+# ---------------------------------------------------------------------------------------
+# what a --resume must agree on with the run it continues: its agents, its task, its schedule (steps
+# may grow: positions up to the old end keep their phases) and its cold start but for its check (a resume
+# without one takes the rounds done as the cold start)
+SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
+            "max_sub", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every", "kl_coef",
+            "lora_rank", "cold_start")
+
+
+def identity(settings):
+    """The settings of SAME_RUN in a dict of args.json's shape; of the cold start all but its check."""
+    same = {k: settings[k] for k in SAME_RUN if k in settings}
+    if isinstance(same.get("cold_start"), dict):
+        same["cold_start"] = {k: v for k, v in same["cold_start"].items() if k != "until"}
+    return same
+
+
+@contextlib.contextmanager
+def own_out(args, out):
+    """This process's hold on the output folder for the whole run: a lock that keeps a second run off
+    it, and the checks that must pass before anything in it or in the store is touched: a --resume
+    with the run's own settings; a fresh start only where no run is, or with --overwrite."""
+    try:
+        fd = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:  # a symlink or a folder planted there
+        raise SystemExit(f"error: cannot lock {out}/.lock ({e})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise SystemExit(f"error: another run is using {out}") from None
+        if args.resume:
+            same_run(args, out)
+        elif holds_run(out) and not args.overwrite:
+            raise SystemExit(f"error: {out} holds a run: continue it with --resume, or start afresh over it "
+                             "with --overwrite (its checkpoints go), or pick another --out")
+        yield
+    finally:
+        os.close(fd)
+
+
+def resume_or_start(args, out, load):
+    """(agents, schedule position, metrics lines, cold-start rounds done or None once RL began): from
+    the last readable checkpoint in `out` with --resume (a resume whose checkpoints all fail to load
+    stops, touching nothing), else new agents in a folder cleared of an earlier run."""
+    if args.resume:
+        resumed = resume(args, out, load)
+        if resumed:
+            return resumed
+        print(f"no checkpoint in {out}: starting afresh", flush=True)
+    return start_afresh(args, out, load)
+
+
+def holds_run(out):
+    """Does `out` hold a run: checkpoints, its settings, or metrics?"""
+    metrics = os.path.join(out, "metrics.jsonl")
+    return bool(checkpoints(out)) or os.path.exists(os.path.join(out, "args.json")) or (
+        os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+
+
+def same_run(args, out):
+    """--resume: stop, touching nothing, if the settings contradict those in <out>/args.json."""
+    path = os.path.join(out, "args.json")
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path} cannot be read ({e}); --resume needs the run's settings") from None
+    saved, now = identity(saved), identity(json.loads(json.dumps(dataclasses.asdict(args))))  # as args.json has it
+    diff = {k: (saved[k], now[k]) for k in saved if saved[k] != now.get(k)}
+    if diff:
+        raise SystemExit(f"error: --resume with other settings than the run in {out} has (the run's, "
+                         f"yours): {diff}; resume with its settings, or start afresh with --overwrite")
+
+
+def resume(args, out, load):
+    """--resume: resume_or_start's tuple from the last readable checkpoint in `out`, with
+    metrics.jsonl cut back to it; None if there is none."""
+    try:
+        resumed = load_checkpoint(out, agent_names(args), load)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    if resumed is None:
+        return None
+    path = os.path.join(out, "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    if len(lines) < resumed[2]:
+        print(f"warning: {path} has {len(lines)} lines, its checkpoint counts {resumed[2]}; "
+              "the missing phases' metrics are lost", flush=True)
+    write_atomically(path, "".join(lines[:resumed[2]]))  # the lines of phases after the checkpoint go
+    print(f"resumed from {out} at schedule position {resumed[1]}" + (
+        f", in the cold start after round {resumed[3]}" if resumed[3] is not None else ""), flush=True)
+    return resumed
+
+
+def start_afresh(args, out, load):
+    """New agents (seeds args.seed and args.seed + 1; S at --lr-sub if set), in a folder cleared of any
+    earlier run: (agents, 0, 0, 0), as resume's."""
+    given = {"main": args.main_model, "sub": args.sub_model}
+    agents = {n: load(given[n], seed=args.seed + (n == "sub"), lr=args.lr_sub if n == "sub" else None)
+              for n in agent_names(args)}
+    clear_run(out)  # first: a kill from here on leaves no earlier run's checkpoints under new settings
+    open(os.path.join(out, "metrics.jsonl"), "w").close()
+    write_atomically(os.path.join(out, "args.json"), json.dumps(dataclasses.asdict(args), indent=1))
+    return agents, 0, 0, 0
+
+
+def write_atomically(path, text):
+    """`path` holds the old text or the new, whatever the moment of a kill or a power loss."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)

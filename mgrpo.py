@@ -16,7 +16,7 @@ What the algorithm really is, per training step:
   5. A_S: R_S standardised over the D*K aligned sub-trajectories of a question (eq. 12-13).
   6. Each agent takes its own clipped policy-gradient step (eq. 14-19): token-level ratio,
      asymmetric clip, no KL, no entropy bonus. With one epoch per batch (the default) the ratio is
-     1: REINFORCE with a per-agent group baseline (S under --unsync excepted).
+     1: REINFORCE with a per-agent group baseline (S under --mode unsync excepted).
   7. M's side hands S's side a few statistics per rollout (the paper's Fig. 3): in memory when one
      process holds both agents, through a file store with --role main / sub. No gradient and no
      tensor crosses between the agents.
@@ -24,15 +24,15 @@ What the algorithm really is, per training step:
 The default run needs no download: two tiny models built in code, first taught the answer format
 by a short supervised cold start on noisy scripted demos (cold_start.py: the stand-in for the
 paper's stage 1, not part of M-GRPO). The sibling modules hold what a reader of the paper need not
-see: sampling.py (the sampler and the scoring), agents.py (models, tokenizers, contexts as ids),
-tools.py (action formats, parsers, search client), run.py (command line, set-up, resume),
-report.py (metrics, report), checkpoints.py, store.py (the store's file layer); toy_tools.py is
+see: sampling.py (the sampler and the scoring; cuda_graphs.py on a GPU), agents.py (models,
+tokenizers, contexts as ids; tiny_models.py, the models built here), tools.py (action formats,
+parsers, search client), run.py (command line, set-up), report.py (metrics, report),
+checkpoints.py (checkpoints, resume), store.py and records.py (the shared store); toy_tools.py is
 the toy task.
 
     python mgrpo.py              # CPU demo: cold start, then M-GRPO on the toy task
     python mgrpo.py --help
 """
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -45,103 +45,76 @@ import torch
 
 import run
 from agents import Traj, load_agent, message_ids, new_traj
-from cold_start import before_rl
-from report import Log, report
-from sampling import Kept, collate, generate, token_logprobs
+from checkpoints import own_out, resume_or_start
+from cold_start import ColdStart, before_rl, parse_cold_start
+from report import Log, UpdateLog, agent_record, report, step_record
+from sampling import Kept, collate, generate, reference_logprobs, token_logprobs
 from records import exchange_ok, phase_key, results_ok, store_record, tasks_ok
 from store import StoreError
 from tools import FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
 
 
-def arg(default, help):
-    return field(default=default, metadata={"help": help})
+def arg(default, help, **argparse_kw):
+    """A setting: its default, its help text, any argparse keywords; group: a header in --help, from here on."""
+    return field(default=default, metadata={"help": help, **argparse_kw})
 
 
 @dataclass
 class Args:
-    seed: int = arg(1, "seeds everything: model init, questions, sampling, alignment")
-    steps: int = arg(200, "M-GRPO steps (each updates both agents)")
-    questions_per_step: int = arg(8, "questions (queries) per step")
-    group_size: int = arg(8, "K: rollouts per question, the group of M's advantage (eq. 9-10)")
-    max_sub: int = arg(2, "D: aligned sub-trajectories per rollout (eq. 11)")
-    mode: str = arg("co-train", "co-train: M-GRPO, both agents train; main-only: S frozen, M "
-                    "trains (GRPO); single-agent: one model searches and answers (GRPO), no S")
-    task: str = arg("toy_tools", "the task: a module or a .py file (toy_tools.py tells what)")
-    level: int = arg(1, "task level; toy task: 1, 2 or 3 (2, 3 or 4 hops; 3, 8 or 12 snippets)")
-    train_levels: str = arg("", "training questions' levels, in turn, e.g. '1,2'; empty: --level")
-    main_model: str = arg("", "M: a Hugging Face name or path (a chat model); empty: a tiny model")
-    sub_model: str = arg("", "S: a Hugging Face name or path; empty: a tiny model built here")
-    model_size: str = arg("0.2M", "size of the models built here: 0.1M, 0.2M, 0.4M, 1M, 4M or 30M")
-    chat: bool = arg(False, "build the models as Qwen2 chat models (BPE, Qwen-style template, "
-                     "JSON tool calls): the path real instruct models take")
-    uniform_first_layer: bool = arg(False, "build the models with a first layer that attends alike to all "
-                                    "earlier tokens; compare.py's stage 1s do (a departure: docs/stage1.md)")
-    lr: float = arg(3e-4, "M-GRPO learning rate, both agents (the paper: 1e-6 for 30B models)")
+    # the algorithm (tutorial.md lists the paper's symbols)
+    steps: int = arg(200, "M-GRPO steps; each updates both agents", group="the algorithm")
+    questions_per_step: int = arg(8, "queries per step")
+    group_size: int = arg(8, "K: rollouts per query, the group of M's advantage (eq. 9-10)")
+    max_sub: int = arg(2, "D: aligned sub-trajectories per rollout, the group of S's is D x K (eq. 11-13)")
+    mode: str = arg("co-train", "co-train: M-GRPO, both agents train; unsync: the same, S trained one step "
+                    "behind (the paper's off-policy version); main-only: S frozen, M trains (GRPO); "
+                    "single-agent: one model searches and answers (GRPO), no S")
+    w_sub: tuple = arg((0.1, 0.4, 0.5), "eq. 5: R_S's weights of r_format, r_correct_main, r_expert")
+    lr: float = arg(3e-4, "learning rate of both agents (the paper: 1e-6 for 30B models)")
     lr_sub: float = arg(0.0, "S's own learning rate; 0: --lr")
-    weight_decay: float = arg(0.1, "AdamW weight decay; betas (0.9, 0.98) as in the paper")
-    ppo_epochs: int = arg(1, "passes over each batch; with 1 the ratio is 1, the clip never acts")
-    micro_batch: int = arg(0, "rows per forward/backward (the loss is over the batch); 0: all")
-    eps_low: float = arg(0.2, "clip range below 1 (eq. 14-19)")
-    eps_high: float = arg(0.28, "clip range above 1 ('clip-higher', as the authors ran it)")
+    weight_decay: float = arg(0.1, "AdamW's weight decay; betas (0.9, 0.98), as in the paper")
+    clip_eps: tuple = arg((0.2, 0.28), "eq. 14-19: the ratio's clip range below and above 1 (0.28: "
+                          "'clip-higher', as the authors ran it)")
     loss_agg: str = arg("seq-mean", "seq-mean: over each row's tokens, then over rows; token-mean")
+    ppo_epochs: int = arg(1, "passes over each batch; with 1 the ratio is 1 and the clip never acts")
     grad_clip: float = arg(1.0, "max gradient norm per agent")
     kl_coef: float = arg(0.0, "k3 KL to a frozen copy of each agent as RL starts (0, as the paper)")
-    lora_rank: int = arg(0, "LoRA: the base frozen, an adapter of this rank per agent; 0: no LoRA")
-    lora_alpha: float = arg(0.0, "LoRA's alpha (updates scaled by alpha / rank); 0: 2 x rank")
-    lora_targets: str = arg("all-linear", "LoRA's modules: all-linear, or names: q_proj,v_proj")
-    share_base: bool = arg(False, "LoRA, both agents in one process: one frozen base, two adapters")
-    w_main_format: float = arg(0.1, "eq. 4: R_M = w r_format + (1 - w) r_correct, format valid")
-    w_sub: tuple = arg((0.1, 0.4, 0.5), "eq. 5: weights of r_format, r_correct_main, r_expert")
-    main_max_turns: int = arg(4, "M's turns per rollout (delegations + the answer)")
-    sub_max_turns: int = arg(3, "S's turns per sub-task (tool calls + the answer)")
-    max_new_tokens: int = arg(0, "tokens per turn (a turn not ended is invalid); 0: 12, chat 256")
-    sft_steps: int = arg(-1, "cold-start steps on noisy scripted demos (the stand-in for stage 1); "
-                         "-1: 600 for a model built here, none for a model given by name or path")
-    sft_levels: str = arg("", "cold-start demos' levels, in turn, e.g. '1,2'; empty: --level")
-    sft_batch: int = arg(64, "demos per cold-start step, per agent")
-    sft_lr: float = arg(1.5e-3, "cold-start learning rate")
-    sft_warmup: float = arg(0.05, "share of the cold start's first steps over which its learning rate rises "
-                            "linearly to --sft-lr, before the cosine decay (docs/stage1.md)")
-    sft_weight_decay: float = arg(0.0, "the cold start's AdamW weight decay (docs/stage1.md)")
-    sft_decay: float = arg(1.0, "share of the cold start's last steps over which its learning rate falls to 0 "
-                           "(a cosine); 1: from the first step (docs/stage1.md)")
-    sft_jitter: float = arg(0.0, "share of the cold start's demos whose positions skip ahead at random in the "
-                            "text the agent reads, so that it learns to find a fact by what it says, not how far "
-                            "back it stands (docs/stage1.md)")
-    sft_draws: int = arg(1, "cold starts per round of each agent built here, each from random weights and "
-                         "demos of its own, at once where cores allow; the one of best --sft-until check is kept "
-                         "(without one, of lowest final loss; docs/stage1.md)")
-    sft_bare: float = arg(0.0, "chat models: share of the cold start's first steps with bare demos "
-                          "(no system prompt): a tiny model learns to copy from its task faster")
-    sft_until: float = arg(0.0, "after the cold start, the system's greedy success on 256 held-out "
-                           "questions per --sft-levels level; below it, another round (at most 3), a model built "
-                           "here from fresh weights")
-    demo_noise: float = arg(0.1, "probability that a demo replaces an entity by a random one")
-    eval_questions: int = arg(-1, "held-out questions per evaluation; -1: 256 (given, chat: 32)")
-    eval_every: int = arg(50, "evaluate every N steps, and before and after RL; 0: only those")
-    search: str = arg("toy", "'toy' (the task's tool, in-process), or the URL of a SearXNG API")
-    search_timeout: float = arg(10.0, "seconds per search request, all of it")
-    search_retries: int = arg(2, "retries of a request that timed out, failed to connect, got 5xx")
-    visit_hosts: str = arg("", "hosts (comma-separated) the agents may visit beyond their results")
-    visit_max_chars: int = arg(2000, "the visit tool cuts page text to this many characters")
-    device: str = arg("cpu", "torch device of this process's agents: cpu, cuda, cuda:1")
-    dtype: str = arg("float32", "float32, or bfloat16: matmuls in bf16 (autocast), fp32 weights")
-    cuda_graphs: bool = arg(True, "on a GPU, decode with CUDA graphs over a static KV cache")
-    grad_checkpointing: bool = arg(False, "recompute activations in the backward pass: less memory")
-    role: str = arg("both", "both: one process, both agents; main / sub: one agent, the other "
-                    "role's process reached through --store (decoupled training)")
-    store: str = arg("", "the shared store of --role main / sub: a directory both processes reach")
-    run_id: str = arg("run", "names this run's records inside the store")
-    unsync: bool = arg(False, "S trains on the step before's data (the paper's off-policy version)")
-    peer_timeout: float = arg(60.0, "seconds without the other role's heartbeat before stopping")
-    progress_timeout: float = arg(-1.0, "seconds to wait for a record of a live peer; 0: no limit; "
-                                  "-1: 10 x the slowest phase so far, at least 30 min")
+    main_max_turns: int = arg(4, "M's turns per rollout: its delegations and the answer")
+    sub_max_turns: int = arg(3, "S's turns per sub-task: its tool calls and the answer")
+    max_new_tokens: int = arg(0, "tokens per turn (a turn not ended by then is invalid); 0: 12, chat 256")
+    # the task and the models
+    task: str = arg("toy_tools", "the task: a module or a .py file (toy_tools.py tells what it holds)",
+                    group="the task and the models")
+    level: int = arg(1, "the task's level; toy task: 1, 2 or 3 (2, 3 or 4 hops; 3, 8 or 12 snippets)")
+    train_levels: tuple = arg((), "levels of the training questions, taken in turn, e.g. 1 2 2; none: --level")
+    main_model: str = arg("", "M: a Hugging Face name or path (a chat model); empty: a tiny model built here")
+    sub_model: str = arg("", "S: a Hugging Face name or path; empty: a tiny model built here")
+    model_size: str = arg("0.2M", "the tiny models' size: 0.1M, 0.2M, 0.4M, 1M, 4M or 30M")
+    chat: bool = arg(False, "build the tiny models as Qwen2 chat models (BPE, a Qwen-style template, JSON "
+                     "tool calls): the path real instruct models take")
+    cold_start: ColdStart = arg(ColdStart(), "the supervised cold start on scripted demos, the stand-in for "
+                                "the paper's stage 1 (cold_start.py): a preset (demo, none, chat), a number of "
+                                "steps, or a JSON object of ColdStart's fields, inline or in a file; demo: 600 "
+                                "steps for a model built here, none for a model given", type=parse_cold_start)
+    lora_rank: int = arg(0, "LoRA: each agent's base frozen, an adapter of this rank on it; 0: no LoRA")
+    search: str = arg("toy", "'toy' (the task's own tool, in-process), or the URL of a SearXNG-style API")
+    # the run
+    seed: int = arg(1, "seeds everything: model init, questions, sampling, alignment", group="the run")
     out: str = arg("", "output folder; empty: runs/<time>-seed<seed>")
     resume: bool = arg(False, "continue from the last checkpoint in --out")
     overwrite: bool = arg(False, "start afresh in an --out that holds a run: its checkpoints go")
+    eval_every: int = arg(50, "evaluate every N steps, and before and after RL; 0: only those")
+    eval_questions: int = arg(-1, "held-out questions per evaluation; -1: 256 (a given or chat model: 32)")
     save_every: int = arg(1, "checkpoint every N steps (and after each evaluation)")
-    report_to: str = arg("", "also log metrics.jsonl's numbers to 'tensorboard' (<out>/tb) or "
-                         "'wandb' (WANDB_MODE=offline needs no network); optional installs")
+    device: str = arg("cpu", "torch device of this process's agents: cpu, cuda, cuda:1")
+    dtype: str = arg("float32", "float32, or bfloat16: matmuls in bf16 (autocast), fp32 weights")
+    micro_batch: int = arg(0, "rows per forward and backward (the loss stays the batch's); 0: all")
+    grad_checkpointing: bool = arg(False, "recompute activations in the backward pass: less memory")
+    role: str = arg("both", "both: one process, both agents; main / sub: one agent, the other role's "
+                    "process reached through --store (the paper's decoupled training)")
+    store: str = arg("", "the shared store of --role main / sub: a directory both processes reach")
+    report_to: str = arg("", "also log metrics.jsonl's numbers to 'tensorboard' (<out>/tb) or 'wandb' "
+                         "(WANDB_MODE=offline needs no network); optional installs")
 
 
 # =========================================================================================
@@ -185,7 +158,7 @@ def agent_loop(agent, kind, trajs, act, max_turns, seed, greedy):
 def run_sub_agents(sub, args, search, tasks, questions, seed, greedy=False):
     """S's tool loops for a batch of sub-tasks, one per delegation; each returns one answer."""
     trajs = [new_traj(sub, "sub", t, task=t) for t in tasks]
-    act = tool_calls(search, questions, args.visit_max_chars, sub.chat)
+    act = tool_calls(search, questions, sub.chat)
     return agent_loop(sub, "sub", trajs, act, args.sub_max_turns, seed, greedy)
 
 
@@ -198,7 +171,7 @@ def rollout(main_agent, questions, K, args, seed, delegate=None, search=None, gr
     kind = "single" if args.mode == "single-agent" else "main"
     trajs = [new_traj(main_agent, kind, q.text, q=i // K, k=i % K) for i, q in enumerate(questions)]
     if kind == "single":
-        act = tool_calls(search, questions, args.visit_max_chars, main_agent.chat)
+        act = tool_calls(search, questions, main_agent.chat)
         return agent_loop(main_agent, kind, trajs, act, args.main_max_turns, seed, greedy), []
     sub_trajs = []
 
@@ -294,7 +267,7 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     0); "token-mean": over all tokens of the batch. ref_logp, kl_coef: an optional penalty
     kl_coef * k3 per token to a frozen reference, k3 = exp(ref - logp) - (ref - logp) - 1.
     Log-ratios are clamped to [-20, 20] before exp, as production trainers do: one past about 88
-    (a stale S under --unsync, a corrupted old_logp) overflows float32 to inf, inf * 0 is NaN,
+    (a stale S under --mode unsync, a corrupted old_logp) overflows float32 to inf, inf * 0 is NaN,
     and one NaN step ruins the weights; a ratio beyond e^20 carries no more signal.
     """
     m = mask.to(logp.dtype)
@@ -326,74 +299,57 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     return loss, stats
 
 
-def backward(agent, batch, adv, ref, args, acc):
-    """One pass of the clipped surrogate over a batch, micro-batch by micro-batch, gradients
-    accumulated; False at the first loss that is not finite. Each micro-batch's loss is weighted
-    by its share of the whole batch (of its rows, seq-mean; of its tokens, token-mean), so the sum
-    is the whole batch's loss: normalised over the batch, never per micro-batch."""
-    ids, attn, mask, old = batch
-    B, mb = len(ids), args.micro_batch or len(ids)
-    n_tok = mask.sum().clamp(min=1)
+def micro_batches(mask, micro_batch, agg="seq-mean"):
+    """(rows, weight) per micro-batch of a batch whose loss mask is `mask` [B, T]: the weight is the
+    micro-batch's share of the batch, of its rows (seq-mean) or of its tokens (token-mean), so that
+    the weighted losses sum to the whole batch's loss: normalised over the batch, never per micro-batch."""
+    B, mb, n_tok = len(mask), micro_batch or len(mask), mask.sum().clamp(min=1)
     for s in range(0, B, mb):
-        t0 = time.perf_counter()
         sl = slice(s, s + mb)
-        with agent.autocast():
-            logp = token_logprobs(agent.model, ids[sl], attn[sl], mask[sl])
-        loss, stats = policy_loss(logp, old[sl], adv[sl], mask[sl], args.eps_low, args.eps_high,
-                                  args.loss_agg, None if ref is None else ref[sl], args.kl_coef)
+        yield sl, (min(mb, B - s) / B) if agg == "seq-mean" else mask[sl].sum() / n_tok
+
+
+def backward(agent, batch, adv, ref, args, log):
+    """The gradient of one agent's clipped surrogate (eq. 14-19) over its batch, accumulated micro-batch
+    by micro-batch; False at the first loss that is not finite. ref: --kl-coef's reference log-probs."""
+    ids, attn, mask, old = batch
+    for rows, weight in micro_batches(mask, args.micro_batch, args.loss_agg):
+        with log.timed("t_fwd"), agent.autocast():
+            logp = token_logprobs(agent.model, ids[rows], attn[rows], mask[rows])
+        loss, stats = policy_loss(logp, old[rows], adv[rows], mask[rows], *args.clip_eps, args.loss_agg,
+                                  None if ref is None else ref[rows], args.kl_coef)
         if not torch.isfinite(loss):
             return False
-        w = (min(mb, B - s) / B) if args.loss_agg == "seq-mean" else mask[sl].sum() / n_tok
-        t1 = time.perf_counter()
-        (loss * w).backward()
-        acc["t_fwd"] += t1 - t0
-        acc["t_bwd"] += time.perf_counter() - t1
-        for key in ("clip_frac", "approx_kl", "kl_ref"):  # token-weighted means over the epochs
-            acc[key] += stats.get(key, 0.0) * stats["tokens"] / float(n_tok) / args.ppo_epochs
+        with log.timed("t_bwd"):
+            (loss * weight).backward()
+        log.add(stats)
     return True
 
 
-MAX_SKIPPED = 3  # updates in a row whose loss or gradient is not finite, before the run stops
-
-
 def update_agent(agent, trajs, adv, args):
-    """One agent's policy step(s) on its own batch, one per --ppo-epochs; stats with the time split.
-    A step whose loss or gradient norm is not finite changes no weight: it is skipped with a
-    warning and counted (`skipped`); MAX_SKIPPED updates in a row with one stop the run."""
-    dev = agent.model.device
-    batch = collate(trajs, agent.pad_id, dev)
-    ids, attn, mask, _ = batch
-    mb = args.micro_batch or len(trajs)
-    ref = None
-    if args.kl_coef:  # the frozen reference's log-probs, once per batch: a copy, or LoRA's base
-        off = agent.peft.disable_adapter() if agent.peft else contextlib.nullcontext()
-        model = agent.model if agent.ref is None else agent.ref
-        with torch.no_grad(), agent.autocast(), off:
-            ref = torch.cat([token_logprobs(model, ids[s:s + mb], attn[s:s + mb], mask[s:s + mb])
-                             for s in range(0, len(trajs), mb)])
-    acc = {"clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "t_fwd": 0.0, "t_bwd": 0.0,
-           "skipped": 0}
-    agent.model.train(args.grad_checkpointing)  # recomputing needs train mode (no dropout: checked)
-    for _ in range(args.ppo_epochs):
-        agent.opt.zero_grad(set_to_none=True)
-        finite = backward(agent, batch, adv.to(dev), ref, args, acc)
-        t1 = time.perf_counter()
-        grad_norm = torch.tensor(float("nan"))  # a non-finite loss: no gradient to clip
-        if finite:
-            grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
-        if torch.isfinite(grad_norm):
-            agent.opt.step()
-        else:
-            acc["skipped"] += 1
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)  # the time split is the GPU's, not the launch queue's
-        acc["t_bwd"] += time.perf_counter() - t1
-    agent.model.eval()
-    skipped_in_a_row(agent, acc["skipped"])
-    grad_norm = float(grad_norm) if torch.isfinite(grad_norm) else None  # metrics.jsonl stays JSON
-    return {**acc, "grad_norm": grad_norm, "tokens": float(mask.sum()) * args.ppo_epochs,
-            "tokens_in": float(attn.sum()) * args.ppo_epochs,  # all tokens through the model (MFU)
-            "sequences": len(trajs) * args.ppo_epochs}
+    """One agent's policy step on its own batch, once per --ppo-epochs: the gradient of eq. 14-19, its
+    norm clipped, an AdamW step. A step whose loss or gradient norm is not finite changes no weight:
+    it is skipped and counted (skipped_in_a_row). Returns the update's statistics (report.UpdateLog)."""
+    batch = collate(trajs, agent.pad_id, agent.model.device)
+    ref = reference_logprobs(agent, batch, args.micro_batch) if args.kl_coef else None  # once per batch
+    log = UpdateLog(agent.model.device, batch, args.ppo_epochs)
+    with agent.training():
+        for _ in range(args.ppo_epochs):
+            agent.opt.zero_grad(set_to_none=True)
+            finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log)
+            with log.timed("t_bwd"):  # the clip and the step count with the backward pass
+                grad_norm = torch.tensor(float("nan"))  # a non-finite loss: no gradient to clip
+                if finite:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
+                if torch.isfinite(grad_norm):
+                    agent.opt.step()
+                else:
+                    log.rec["skipped"] += 1
+    skipped_in_a_row(agent, log.rec["skipped"])
+    return log.result(grad_norm)
+
+
+MAX_SKIPPED = 3  # updates in a row whose loss or gradient is not finite, before the run stops
 
 
 def skipped_in_a_row(agent, skipped):
@@ -446,68 +402,62 @@ def sub_side(sub_trajs, exchange, questions, task, D, rng, w=(0.1, 0.4, 0.5)):
         adv.append(group_advantages(r))  # eq. 12-13: the query's D*K aligned slots
         n_groups += 1
         n_zero += int(np.std(r) <= 1e-6)
-    stats = {"n_dup": n_dup, "n_drop": n_drop, "zero_var_sub": n_zero / max(1, n_groups)}
-    return batch, torch.tensor(rewards), (torch.cat(adv) if adv else torch.zeros(0)), stats
+    r_sub = torch.tensor(rewards)
+    stats = {"sub_reward": float(r_sub.mean()) if rewards else 0.0, "n_dup": n_dup, "n_drop": n_drop,
+             "zero_var_sub": n_zero / max(1, n_groups)}
+    return batch, r_sub, (torch.cat(adv) if adv else torch.zeros(0)), stats
 
 
-# what each agent's update logs, as <name>_main and <name>_sub
-UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences",
-                "skipped")
-
-
-def sub_step(sub, sub_trajs, exchange, questions, step, args, task):
-    """S's side of a step: R_S, alignment, A_S and S's update. With --unsync S updates on the
-    previous step's batch (kept in `sub.pending`): its rollouts run one update behind."""
-    rng = random.Random(stable_seed(args.seed, "align", step))
-    batch, r_sub, adv, stats = sub_side(sub_trajs, exchange, questions, task, args.max_sub, rng,
-                                        args.w_sub)
-    if args.unsync:  # train on the batch before; keep this one for the next step
+def train_sub(sub, batch, adv, args):
+    """S's update on its aligned batch. --mode unsync: on the step before's batch (kept in `sub.pending`),
+    so that its rollouts run one update behind; main-only: none, S is frozen."""
+    if args.mode == "unsync":  # train on the batch before; keep this one for the next step
         previous = sub.pending or ([], None)
         sub.pending = (batch, adv)
         batch, adv = previous
     if args.mode == "main-only":
         batch = []  # S frozen (the paper's baseline): its rewards are still computed, to be logged
-    update = update_agent(sub, batch, adv, args) if batch else {}
-    rec = {"sub_reward": float(r_sub.mean()) if len(r_sub) else 0.0, **stats,
-           **{f"{k}_sub": update[k] for k in UPDATE_STATS if k in update},
-           "t_train_sub": update.get("t_fwd", 0.0) + update.get("t_bwd", 0.0)}
-    return rec, update
+    return update_agent(sub, batch, adv, args) if batch else {}
+
+
+def step_seeds(seed, step):
+    """A step's seeds, the same in both processes of a decoupled run: its questions', its rollouts'
+    (every turn's drawn from it) and its alignment's (eq. 11)."""
+    return {part: stable_seed(seed, part, step) for part in ("questions", "rollout", "align")}
+
+
+def step_questions(task, args, seed, step):
+    """The step's queries: --questions-per-step of them, their levels taken in turn from --train-levels
+    (across steps too), else --level."""
+    rng, Q, mix = random.Random(seed), args.questions_per_step, args.train_levels or (args.level,)
+    return [task.make_question(rng.randrange(2 ** 31), mix[(step * Q + i) % len(mix)]) for i in range(Q)]
 
 
 def train_step(main_agent, sub, step, args, task, delegate, search=None, store=None):
-    """Rollouts, M's side, and (when S lives in this process) S's side; the step's metrics. In
-    single-agent mode M's side is all there is: plain GRPO. With S in the other process, M
-    writes `exchange` to the store before its own update, so that both updates run at once."""
-    t0 = time.perf_counter()
-    rng = random.Random(stable_seed(args.seed, "questions", step))
-    Q, K = args.questions_per_step, args.group_size
-    mix = run.levels(args.train_levels, args.level)  # taken in turn, across steps too
-    questions = [task.make_question(rng.randrange(2 ** 31), mix[(step * Q + i) % len(mix)])
-                 for i in range(Q)]
-    seed = stable_seed(args.seed, "rollout", step)
-    main_trajs, sub_trajs = rollout(main_agent, questions, K, args, seed, delegate, search)
+    """One M-GRPO step in the paper's order; its metrics. In single-agent mode M's side is all there
+    is: plain GRPO. With S in the other process (--role main), M's side writes `exchange` to the store,
+    and S's side runs there (serve_sub) while M updates."""
+    t0, seeds = time.perf_counter(), step_seeds(args.seed, step)
+    questions = step_questions(task, args, seeds["questions"], step)
+    # 1. K rollouts per query, S's tool loops nested in M's turns
+    main_trajs, sub_trajs = rollout(main_agent, questions, args.group_size, args, seeds["rollout"], delegate, search)
     t_gen = time.perf_counter() - t0
-    r_main, adv_main, exchange, main_stats = main_side(main_trajs, questions, K, task,
-                                                       args.w_main_format)
+    # 2-3. R_M (eq. 4) and A_M over each query's K rollouts (eq. 9-10); what S's side needs of them
+    r_main, adv_main, exchange, main_stats = main_side(main_trajs, questions, args.group_size, task)
+    rec = {"step": step, "main_reward": float(r_main.mean()), **main_stats,
+           "d_k": [len(t.calls) for t in main_trajs], "sub_calls": len(sub_trajs)}
     if store:
         store.put(phase_key(store.phase) + "-done",
                   {"exchange": exchange, "questions": [[q.seed, q.level] for q in questions]})
-    update = update_agent(main_agent, main_trajs, adv_main, args)
-    rec = {"step": step, "main_reward": float(r_main.mean()), **main_stats,
-           "d_k": [len(t.calls) for t in main_trajs], "sub_calls": len(sub_trajs),
-           "t_train_main": update["t_fwd"] + update["t_bwd"],
-           **{f"{k}_main": update[k] for k in UPDATE_STATS}}
-    updates = [update]
+    if sub:  # 4-5. alignment to D per rollout (eq. 11), R_S (eq. 5), A_S over the D*K slots (eq. 12-13)
+        sub_batch, _, adv_sub, sub_stats = sub_side(sub_trajs, exchange, questions, task, args.max_sub,
+                                                    random.Random(seeds["align"]), args.w_sub)
+        rec.update(sub_stats)
+    # 6. each agent's own clipped policy-gradient step (eq. 14-19); no gradient crosses between them
+    updates = {"main": update_agent(main_agent, main_trajs, adv_main, args)}
     if sub:
-        sub_rec, sub_update = sub_step(sub, sub_trajs, exchange, questions, step, args, task)
-        rec.update(sub_rec)
-        updates.append(sub_update)
-    dt = time.perf_counter() - t0
-    gen_tokens = sum(sum(t.mask) for t in main_trajs + sub_trajs)
-    rec.update({k: sum(u.get(k, 0.0) for u in updates) for k in ("t_fwd", "t_bwd")})
-    rec.update(t_gen=t_gen, t_step=dt, gen_tokens=gen_tokens, gen_tokens_per_s=gen_tokens / t_gen,
-               train_tokens_per_s=sum(u.get("tokens", 0.0) for u in updates) / (dt - t_gen))
-    return rec
+        updates["sub"] = train_sub(sub, sub_batch, adv_sub, args)
+    return step_record(rec, updates, main_trajs + sub_trajs, t_gen, time.perf_counter() - t0)
 
 
 # =========================================================================================
@@ -545,7 +495,7 @@ def evaluate(main_agent, args, task, delegate, search, greedy=False, first=EVAL_
 
 
 def cold_start_check(level, agents, args, task, search):
-    """The cold start's check (--sft-until): the system's greedy success on 256 held-out questions
+    """The cold start's check (ColdStart.until): the system's greedy success on 256 held-out questions
     of `level`, from question seeds that evaluations never use."""
     delegate = None  # the single agent delegates nothing
     if "sub" in agents:
@@ -632,8 +582,11 @@ def serve_sub(agents, args, task, search, store, log, start):
         if kind == "step":
             check = functools.partial(exchange_ok, n_subs=len(sub_trajs))
             done, questions = store_record(store, phase_key(idx) + "-done", done, check, task)
-            sub_rec, _ = sub_step(sub, sub_trajs, done["exchange"], questions, step, args, task)
-            rec = {"step": step, **sub_rec, "t_step": time.perf_counter() - t0, "t_gen_sub": t_gen,
+            align = random.Random(step_seeds(args.seed, step)["align"])
+            batch, _, adv, stats = sub_side(sub_trajs, done["exchange"], questions, task, args.max_sub, align,
+                                            args.w_sub)
+            rec = {"step": step, **stats, **agent_record("sub", train_sub(sub, batch, adv, args)),
+                   "t_step": time.perf_counter() - t0, "t_gen_sub": t_gen,
                    "gen_tokens_sub": sum(sum(s.mask) for s in sub_trajs)}
         log.phase_done(idx, kind, step, rec)
 
@@ -653,8 +606,8 @@ def main(argv=None):
     out = run.start(args)  # seeds, threads, the output folder
     search = run.search_tool(args, task)  # probed: a server that is down stops the run here
     load = functools.partial(load_agent, args=args, task=task)
-    with run.own_out(args, out), run.open_store(args) as store:  # checked before they are touched
-        agents, start, n_lines, sft_done = run.resume_or_start(args, out, load)
+    with own_out(args, out), run.open_store(args) as store:  # checked before they are touched
+        agents, start, n_lines, sft_done = resume_or_start(args, out, load)
         run.print_plan(args, agents, out)
         check = functools.partial(cold_start_check, agents=agents, args=args, task=task,
                                   search=search)

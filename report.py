@@ -2,6 +2,8 @@
 line in metrics.jsonl, a progress line and a checkpoint; after the last, the trained agents,
 summary.json and curves.png (when matplotlib is installed).
 """
+import contextlib
+import functools
 import json
 import os
 import time
@@ -45,6 +47,60 @@ class Log:
                     self.store.prune(min(idx + 1, peer_saved))
         if self.store:  # the next phase's store time counts from here
             self.io_mark = self.store.io_time
+
+
+class UpdateLog:
+    """What one agent's update logs as it goes: token-weighted means of policy_loss's statistics over the
+    batch and its epochs, the seconds of its forward and backward passes (a GPU's, synchronised), and
+    its skipped steps."""
+
+    def __init__(self, device, batch, epochs):
+        ids, self.attn, self.mask, _ = batch
+        self.n_tok, self.epochs = float(self.mask.sum().clamp(min=1)), epochs
+        self.sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
+        self.rec = {"clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "t_fwd": 0.0, "t_bwd": 0.0, "skipped": 0}
+
+    @contextlib.contextmanager
+    def timed(self, key):
+        t0 = time.perf_counter()
+        yield
+        if self.sync:
+            self.sync()
+        self.rec[key] += time.perf_counter() - t0
+
+    def add(self, stats):
+        """One micro-batch's statistics (policy_loss's), weighted by its share of the batch's tokens."""
+        for key in ("clip_frac", "approx_kl", "kl_ref"):
+            self.rec[key] += stats.get(key, 0.0) * stats["tokens"] / self.n_tok / self.epochs
+
+    def result(self, grad_norm):
+        """The update's statistics; the last gradient norm None where it was not finite (JSON has no NaN)."""
+        e = self.epochs
+        return {**self.rec, "grad_norm": float(grad_norm) if torch.isfinite(grad_norm) else None,
+                "tokens": float(self.mask.sum()) * e, "tokens_in": float(self.attn.sum()) * e,  # all through the model
+                "sequences": len(self.mask) * e}
+
+
+# what each agent's update logs, as <name>_main and <name>_sub
+UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences", "skipped")
+
+
+def agent_record(name, update):
+    """An agent's update statistics as metrics.jsonl names them (clip_frac_main, ...)."""
+    return {**{f"{k}_{name}": update[k] for k in UPDATE_STATS if k in update},
+            f"t_train_{name}": update.get("t_fwd", 0.0) + update.get("t_bwd", 0.0)}
+
+
+def step_record(rec, updates, trajs, t_gen, dt):
+    """A step's metrics line: `rec`, each agent's update ({name: statistics}), and the time split and
+    throughput of the step, which took dt seconds, t_gen of them sampling `trajs`."""
+    for name, update in updates.items():
+        rec.update(agent_record(name, update))
+    gen_tokens = sum(sum(t.mask) for t in trajs)
+    rec.update({k: sum(u.get(k, 0.0) for u in updates.values()) for k in ("t_fwd", "t_bwd")})
+    rec.update(t_gen=t_gen, t_step=dt, gen_tokens=gen_tokens, gen_tokens_per_s=gen_tokens / t_gen,
+               train_tokens_per_s=sum(u.get("tokens", 0.0) for u in updates.values()) / (dt - t_gen))
+    return rec
 
 
 def tracker(args, out):

@@ -1,12 +1,11 @@
 """The mechanics of a run of mgrpo.py, which a reader of the paper does not need to see: the command
-line, the task, the output folder and seeds, the search tool, the store's handshake, resume or start
-afresh, and the start-up printout with its memory estimate. What a run writes as it goes and at the
-end is in report.py.
+line, the task, the output folder and seeds, the search tool, the store's handshake, and the start-up
+printout with its memory estimate. The run's folder (resume or start afresh) is in checkpoints.py;
+what a run writes as it goes and at the end, in report.py.
 """
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import importlib
 import importlib.util
@@ -22,15 +21,15 @@ import numpy as np
 import torch
 import transformers
 
-from agents import SIZES, prompt_ids
-from checkpoints import CheckpointError, checkpoints, clear_run, load_checkpoint
+from agents import prompt_ids
 from store import FileStore, StoreError
-from tools import HttpSearch, SearchError
+from tiny_models import SIZES
+from tools import VISIT_CHARS, HttpSearch, SearchError
 
-MODES = ("co-train", "main-only", "single-agent")
+MODES = ("co-train", "unsync", "main-only", "single-agent")
 # what the two roles of a decoupled run must agree on; the sub role checks it against the main role's
 SHARED_ARGS = ("seed", "steps", "mode", "task", "questions_per_step", "group_size", "max_sub", "level",
-               "train_levels", "eval_every", "eval_questions", "unsync", "w_sub")
+               "train_levels", "eval_every", "eval_questions", "w_sub")
 
 
 # ---------------------------------------------------------------------------------------
@@ -47,25 +46,25 @@ def load_task(name):
     return module
 
 
-def levels(text, default):
-    """A level list such as --train-levels '1,2,2' (taken in turn); empty: [default]."""
-    return [int(x) for x in (text or str(default)).split(",")]
-
-
 def parse_args(args_class, argv=None, doc=""):
-    """The command line, from a dataclass of settings: a flag per field, with the field's help text;
-    every setting checked, and the task with its levels."""
+    """The command line, from a dataclass of settings: a flag per field, with the field's help text and any
+    argparse keywords in its metadata (a tuple takes as many values as its default has), under the header
+    of its group; every setting checked, and the task with its levels."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    group = p
     for f in dataclasses.fields(args_class):
+        if "group" in f.metadata:  # a header in --help for this field and those after it
+            group = p.add_argument_group(f.metadata["group"])
         kw = dict(default=f.default, help=f.metadata["help"].replace("%", "%%"))
         if isinstance(f.default, tuple):
-            kw.update(type=float, nargs=len(f.default))
+            kw.update(type=type(f.default[0]) if f.default else int, nargs=len(f.default) or "*")
         elif isinstance(f.default, bool):
             kw.update(action=argparse.BooleanOptionalAction)
         else:
             kw.update(type=type(f.default))
-        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+        kw.update({k: v for k, v in f.metadata.items() if k not in ("help", "group")})
+        group.add_argument("--" + f.name.replace("_", "-"), **kw)
     a = args_class(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()})
     errors = problems(a) + task_problems(a)
     if errors:
@@ -80,40 +79,29 @@ def problems(a):
     checks = [
         (a.group_size < 2, "--group-size must be >= 2 (a group of one has no baseline)"),
         (a.max_sub < 1, "--max-sub must be >= 1"),
-        (a.mode not in MODES, "--mode must be co-train, main-only or single-agent"),
+        (a.mode not in MODES, f"--mode must be one of {', '.join(MODES)}"),
         (a.mode == "single-agent" and a.role != "both", "--mode single-agent runs in one process (--role both)"),
-        (not all(0 <= v <= 1 for v in (a.sft_until, a.sft_bare, a.sft_warmup, a.sft_jitter, a.sft_decay))
-         or a.sft_decay == 0, "--sft-until, --sft-bare, --sft-warmup, --sft-jitter and --sft-decay are shares, "
-         "in [0, 1] (--sft-decay above 0)"),
-        (a.sft_until and a.role != "both", "--sft-until checks both agents together: it needs --role both"),
-        (a.sft_until and a.sft_steps == 0, "--sft-until checks a cold start: it needs --sft-steps > 0"),
-        (a.unsync and a.mode != "co-train", "--unsync changes how S trains: it needs --mode co-train"),
+        (a.cold_start.until and a.role != "both", "a cold start with a check (until) checks both agents "
+         "together: it needs --role both"),
+        (a.cold_start.until and a.cold_start.steps == 0, "a cold start's check (until) needs cold-start steps"),
         (a.loss_agg not in ("seq-mean", "token-mean"), "--loss-agg must be seq-mean or token-mean"),
         (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
-        (min(a.steps, a.micro_batch, a.max_new_tokens) < 0 or a.sft_steps < -1 or a.eval_questions < -1,
-         "--steps, --micro-batch, --max-new-tokens must be >= 0, --sft-steps and --eval-questions >= -1"),
+        (min(a.steps, a.micro_batch, a.max_new_tokens) < 0 or a.eval_questions < -1,
+         "--steps, --micro-batch, --max-new-tokens must be >= 0, --eval-questions >= -1"),
         (a.dtype not in ("float32", "bfloat16"), "--dtype must be float32 or bfloat16"),
-        (min(a.kl_coef, a.weight_decay, a.sft_weight_decay) < 0 or a.visit_max_chars < 1,
-         "--kl-coef, --weight-decay and --sft-weight-decay must be >= 0, --visit-max-chars >= 1"),
+        (min(a.kl_coef, a.weight_decay, *a.clip_eps) < 0, "--kl-coef, --weight-decay and --clip-eps must be >= 0"),
         (not (a.lr > 0 and a.lr_sub >= 0), "--lr must be > 0 and --lr-sub >= 0"),
-        (min(a.questions_per_step, a.ppo_epochs, a.sft_draws) < 1 or a.eval_questions == 0,
-         "--questions-per-step, --ppo-epochs, --sft-draws, --eval-questions must be >= 1"),
-        (not all(re.fullmatch(r"\d+(,\d+)*", x or "1") for x in (a.sft_levels, a.train_levels)),
-         "--sft-levels and --train-levels must list levels, e.g. 1,2"),
+        (min(a.questions_per_step, a.ppo_epochs) < 1 or a.eval_questions == 0,
+         "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
+        (min(a.train_levels, default=1) < 1, "--train-levels must be levels, >= 1"),
         (a.main_max_turns < 2 or a.sub_max_turns < 2, "--main-max-turns and --sub-max-turns must be >= 2"),
         (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
         (a.resume and not a.out, "--resume needs the --out of the run to continue"),
         (a.resume and a.overwrite, "--resume continues a run, --overwrite starts afresh over it: one of them"),
-        (a.save_every < 1 or a.peer_timeout <= 0 or (a.progress_timeout < 0 and a.progress_timeout != -1),
-         "--save-every must be >= 1, --peer-timeout > 0 and --progress-timeout >= 0 (or -1: auto)"),
-        (a.search_timeout <= 0 or a.search_retries < 0, "--search-timeout must be > 0, --search-retries >= 0"),
+        (a.save_every < 1, "--save-every must be >= 1"),
         (a.report_to not in ("", "tensorboard", "wandb"), "--report-to must be tensorboard or wandb"),
-        (a.lora_rank < 0 or a.lora_alpha < 0, "--lora-rank and --lora-alpha must be >= 0"),
-        (a.share_base and not (a.lora_rank and a.role == "both" and a.mode == "co-train"),
-         "--share-base shares one base between two adapters: it needs --lora-rank, --role both, co-train"),
-        (a.share_base and not (a.main_model and a.main_model == a.sub_model and a.sft_steps <= 0),
-         "--share-base needs one given base for both (--main-model = --sub-model) and no cold start"),
+        (a.lora_rank < 0, "--lora-rank must be >= 0"),
         (a.report_to in ("tensorboard", "wandb") and not importlib.util.find_spec(a.report_to),
          f"--report-to {a.report_to} needs its package: pip install {a.report_to}")]
     return [message for bad, message in checks if bad]
@@ -123,12 +111,12 @@ def task_problems(a):
     """The task must load, and have every level asked for (its make_question says)."""
     try:
         task = load_task(a.task)
-        for level in {a.level, *map(int, re.findall(r"\d+", a.sft_levels + "," + a.train_levels))}:
+        for level in {a.level, *a.train_levels, *a.cold_start.levels}:
             task.make_question(0, level)
     except (ImportError, FileNotFoundError, AttributeError) as e:
         return [f"--task {a.task}: {e}"]
     except ValueError as e:
-        return [f"--level / --sft-levels / --train-levels: {e}"]
+        return [f"--level / --train-levels / the cold start's levels: {e}"]
     return []
 
 
@@ -148,7 +136,7 @@ def agent_kinds(args):
 # Before the first phase
 # ---------------------------------------------------------------------------------------
 def start(args):
-    """Seeds, threads and the output folder; a run started by scripts/compare.py ends with it."""
+    """Seeds, threads and the output folder; a run started by experiments/compare.py ends with it."""
     parent = os.environ.pop("MGRPO_PARENT_PID", "")
     if re.fullmatch(r"[1-9][0-9]*", parent):
         exit_with_parent(int(parent))
@@ -182,8 +170,7 @@ def search_tool(args, task):
     if args.search == "toy":
         search = task.search_tool()
     else:
-        search = HttpSearch(args.search, args.search_timeout, args.search_retries,
-                            visit_hosts=args.visit_hosts.split(","))
+        search = HttpSearch(args.search)
     if args.mode == "single-agent" or "sub" in agent_names(args):
         try:
             search.search("ada", 0, args.level)
@@ -196,7 +183,7 @@ def open_store(args):
     """--role main / sub: the shared store, with the handshake on the run's settings; else no store."""
     if args.role == "both":
         return contextlib.nullcontext()
-    store = FileStore(args.store, args.run_id, args.role, args.peer_timeout, args.progress_timeout)
+    store = FileStore(args.store, "run", args.role)
     shared = json.loads(json.dumps({k: getattr(args, k) for k in SHARED_ARGS}))  # as the store holds it
     try:
         if args.role == "main":
@@ -204,7 +191,7 @@ def open_store(args):
             if previous is not None and (not args.resume or previous != shared):
                 raise StoreError(f"the store {store.dir} holds an earlier run" + (
                     f" with other settings: {previous}" if args.resume else
-                    "; use --resume, another --run-id or an empty store"))
+                    "; use --resume or an empty store"))
             store.put("run", shared)
         else:
             if not args.resume:
@@ -219,131 +206,17 @@ def open_store(args):
     return store
 
 
-# what a --resume must agree on with the run it continues: its agents, its task, its schedule (steps
-# may grow: positions up to the old end keep their phases) and its cold start (a resume without
-# --sft-until takes the rounds done as the cold start)
-SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
-            "max_sub", "unsync", "w_sub", "main_model", "sub_model", "model_size", "chat",
-            "uniform_first_layer", "eval_every",
-            "sft_steps", "sft_levels", "sft_bare", "sft_warmup", "sft_decay", "sft_weight_decay", "sft_jitter",
-            "sft_draws", "kl_coef", "lora_rank", "lora_alpha", "lora_targets", "share_base")
-
-
-@contextlib.contextmanager
-def own_out(args, out):
-    """This process's hold on the output folder for the whole run: a lock that keeps a second run off
-    it, and the checks that must pass before anything in it or in the store is touched: a --resume
-    with the run's own settings; a fresh start only where no run is, or with --overwrite."""
-    try:
-        fd = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as e:  # a symlink or a folder planted there
-        raise SystemExit(f"error: cannot lock {out}/.lock ({e})") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise SystemExit(f"error: another run is using {out}") from None
-        if args.resume:
-            same_run(args, out)
-        elif holds_run(out) and not args.overwrite:
-            raise SystemExit(f"error: {out} holds a run: continue it with --resume, or start afresh over it "
-                             "with --overwrite (its checkpoints go), or pick another --out")
-        yield
-    finally:
-        os.close(fd)
-
-
-def resume_or_start(args, out, load):
-    """(agents, schedule position, metrics lines, cold-start rounds done or None once RL began): from
-    the last readable checkpoint in `out` with --resume (a resume whose checkpoints all fail to load
-    stops, touching nothing), else new agents in a folder cleared of an earlier run."""
-    if args.resume:
-        resumed = resume(args, out, load)
-        if resumed:
-            return resumed
-        print(f"no checkpoint in {out}: starting afresh", flush=True)
-    return start_afresh(args, out, load)
-
-
-def holds_run(out):
-    """Does `out` hold a run: checkpoints, its settings, or metrics?"""
-    metrics = os.path.join(out, "metrics.jsonl")
-    return bool(checkpoints(out)) or os.path.exists(os.path.join(out, "args.json")) or (
-        os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
-
-
-def same_run(args, out):
-    """--resume: stop, touching nothing, if the settings contradict those in <out>/args.json."""
-    path = os.path.join(out, "args.json")
-    if not os.path.exists(path):
-        return
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        if not isinstance(saved, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {path} cannot be read ({e}); --resume needs the run's settings") from None
-    now = json.loads(json.dumps(dataclasses.asdict(args)))  # as args.json holds them
-    diff = {k: (saved[k], now[k]) for k in SAME_RUN if k in saved and saved[k] != now[k]}
-    if diff:
-        raise SystemExit(f"error: --resume with other settings than the run in {out} has (the run's, "
-                         f"yours): {diff}; resume with its settings, or start afresh with --overwrite")
-
-
-def resume(args, out, load):
-    """--resume: resume_or_start's tuple from the last readable checkpoint in `out`, with
-    metrics.jsonl cut back to it; None if there is none."""
-    try:
-        resumed = load_checkpoint(out, agent_names(args), load)
-    except CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
-    if resumed is None:
-        return None
-    path = os.path.join(out, "metrics.jsonl")
-    with open(path) as f:
-        lines = f.readlines()
-    if len(lines) < resumed[2]:
-        print(f"warning: {path} has {len(lines)} lines, its checkpoint counts {resumed[2]}; "
-              "the missing phases' metrics are lost", flush=True)
-    write_atomically(path, "".join(lines[:resumed[2]]))  # the lines of phases after the checkpoint go
-    print(f"resumed from {out} at schedule position {resumed[1]}" + (
-        f", in the cold start after round {resumed[3]}" if resumed[3] is not None else ""), flush=True)
-    return resumed
-
-
-def start_afresh(args, out, load):
-    """New agents (seeds args.seed and args.seed + 1; S at --lr-sub if set), in a folder cleared of any
-    earlier run: (agents, 0, 0, 0), as resume's."""
-    given = {"main": args.main_model, "sub": args.sub_model}
-    agents = {n: load(given[n], seed=args.seed + (n == "sub"), lr=args.lr_sub if n == "sub" else None)
-              for n in agent_names(args)}
-    clear_run(out)  # first: a kill from here on leaves no earlier run's checkpoints under new settings
-    open(os.path.join(out, "metrics.jsonl"), "w").close()
-    write_atomically(os.path.join(out, "args.json"), json.dumps(dataclasses.asdict(args), indent=1))
-    return agents, 0, 0, 0
-
-
-def write_atomically(path, text):
-    """`path` holds the old text or the new, whatever the moment of a kill or a power loss."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
 def print_plan(args, agents, out):
     """What this process runs, and each agent's memory estimate."""
     sizes = ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M params"
                       for n, a in agents.items())
     print(f"M-GRPO | role {args.role} | {sizes} | {args.mode} K={args.group_size} D={args.max_sub} "
-          f"level={args.level} device={args.device} {args.dtype}" + (" unsync" if args.unsync else "")
+          f"level={args.level} device={args.device} {args.dtype}"
           + f" | out: {out}", flush=True)
     total = 0.0
     for n, a in agents.items():
         kind = agent_kinds(args)[n]
-        obs = 30 if kind == "main" else (args.visit_max_chars // 3 if a.chat else 60)  # tokens per tool result
+        obs = 30 if kind == "main" else (VISIT_CHARS // 3 if a.chat else 60)  # tokens per tool result
         turns = args.sub_max_turns if kind == "sub" else args.main_max_turns
         longest = len(prompt_ids(a, kind, "x" * 40)) + turns * (a.max_new + obs)
         rows = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)
@@ -359,10 +232,10 @@ def print_plan(args, agents, out):
           + ("fits" if total <= 0.9 * room else "may not fit"), flush=True)
     given = {"main": args.main_model, "sub": args.sub_model}
     if any(given[n] for n in agents):
-        print("a model given by name or path: " + ("no cold start" if args.sft_steps == -1 else
-              f"{args.sft_steps} cold-start steps") + f", {args.eval_questions} questions per evaluation, "
-              f"{next(iter(agents.values())).max_new} new tokens per turn (--sft-steps, --eval-questions and "
-              "--max-new-tokens change them)", flush=True)
+        steps = args.cold_start.steps
+        print("a model given by name or path: " + ("no cold start" if steps <= 0 else f"{steps} cold-start steps")
+              + f", {args.eval_questions} questions per evaluation, {next(iter(agents.values())).max_new} new "
+              "tokens per turn (--cold-start, --eval-questions and --max-new-tokens change them)", flush=True)
 
 
 def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False, reference=False, sampled=None,

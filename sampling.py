@@ -8,12 +8,15 @@ Why not HF `generate`: it fills every field a `GenerationConfig` leaves unset fr
 there. Such a model would be sampled from another policy than the one trained. Nothing in
 `generation_config` is read here.
 """
+import contextlib
 import functools
 import inspect
 import math
 
 import torch
 import transformers
+
+from cuda_graphs import graph_decoder
 
 
 def sample_token(logits, suppress, generator, greedy=False):
@@ -180,73 +183,6 @@ class EagerDecoder:
             return forward_last(self.agent.model, tok[:, None], self.attn, pos, self.cache)
 
 
-class GraphDecoder:
-    """--cuda-graphs: decode steps over a static KV cache, replayed as a CUDA graph (a small model's
-    step is many tiny kernels; a graph launches them at once). Fixed shapes: `rows` (batches padded to
-    a power of two; finished rows stay, masked) and `length` cache slots. The first replay is checked
-    against the eager step before it; on a mismatch `generate` falls back to the eager loop. Without
-    CUDA (the tests) steps run eagerly."""
-    rows_leave = False
-
-    def __init__(self, agent, rows, length):
-        self.agent, dev = agent, agent.model.device
-        self.cache = transformers.StaticCache(config=agent.model.config, max_cache_len=length)
-        self.x, self.pos = (torch.zeros(rows, 1, dtype=torch.long, device=dev) for _ in range(2))
-        self.attn, self.graph = torch.zeros(rows, length, dtype=torch.long, device=dev), None
-
-    def forward(self, ids, attn, pos, cache_enabled=True):  # a capture needs autocast's cache off
-        with self.agent.autocast(cache_enabled):
-            return forward_last(self.agent.model, ids, attn, pos, self.cache)
-
-    def prefill(self, ids, attn, pos):
-        self.cache.reset()
-        self.attn.zero_()
-        self.attn[:, :ids.shape[1]] = attn
-        logits = self.forward(ids, self.attn, pos)
-        if any(type(layer) is not transformers.cache_utils.StaticLayer for layer in self.cache.layers):
-            raise RuntimeError("the model's cache layers are not plain static layers (sliding windows?)")
-        return logits
-
-    def step(self, tok, pos, slot):
-        """One token per row, written to cache slot `slot`, at rope position `pos`."""
-        self.x.copy_(tok[:, None])
-        self.pos.copy_(pos)
-        self.attn[:, slot].fill_(1)
-        if self.x.device.type != "cuda":
-            return self.forward(self.x, self.attn, self.pos)
-        if self.graph is None:
-            self.capture()
-        else:
-            self.graph.replay()
-        return self.logits.clone()
-
-    def capture(self):
-        """Warm up on a side stream, capture, then replay this very step and check it."""
-        counts, stream = [layer.cumulative_length.clone() for layer in self.cache.layers], torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            want = self.forward(self.x, self.attn, self.pos).clone()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.forward(self.x, self.attn, self.pos, cache_enabled=False)
-        for layer, n in zip(self.cache.layers, counts):  # the warm-up wrote this slot: write it again
-            layer.cumulative_length.copy_(n)
-        self.graph.replay()
-        if not torch.allclose(self.logits.float(), want.float(), rtol=1e-3, atol=1e-3):
-            raise RuntimeError("the graph's logits differ from the eager forward's")
-
-
-def graph_decoder(agent, rows, length):
-    """The agent's GraphDecoder for this shape, cache slots rounded up to 256; one shape at a time,
-    since a static cache can be large."""
-    key = (rows, -(-length // 256) * 256)
-    if key not in agent.graphs:
-        agent.graphs.clear()
-        agent.graphs[key] = GraphDecoder(agent, *key)
-    return agent.graphs[key]
-
-
 @torch.no_grad()
 def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
     """Sample one turn for a batch of contexts: per context (new ids, their log-probs, ended?).
@@ -258,7 +194,7 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
     (the conversation's KV) or new; then only what follows a row's kept KV is prefilled, new
     conversations start from their shared prompt's KV, and each row's KV is kept for its next turn
     (for contexts of KEEP_MIN tokens or more on average; shorter ones are prefilled whole).
-    With `agent.graphs` (--cuda-graphs on a GPU) the steps replay a CUDA graph over a static cache
+    With `agent.graphs` (on a GPU) the steps replay a CUDA graph over a static cache
     instead (`GraphDecoder`: every context prefilled whole), and finished rows stay, masked; if that
     fails, this agent decodes eagerly from then on.
     """
@@ -279,7 +215,7 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
         R = 1 << (B - 1).bit_length()
         ids, attn = left_pad(contexts, agent.pad_id, R, dev)
         L = ids.shape[1]
-        decoder = graph_decoder(agent, R, L + n_new)
+        decoder = graph_decoder(agent, R, L + n_new, forward_last)
         logits = decoder.prefill(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0))
         next_pos = attn.sum(-1, keepdim=True)
     else:
@@ -314,7 +250,7 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
     return out
 
 
-def token_logprobs(model, ids, attn, mask=None, pos=None):
+def token_logprobs(model, ids, attn, mask=None):
     """logp[b, t] = log p(ids[b, t] | ids[b, :t]), and 0 at padding and at each row's first
     token (nothing predicts it). Any padding side: position ids come from the attention mask,
     so a padded row is scored as if it were unpadded; the state at t-1 predicts the token at t.
@@ -324,10 +260,9 @@ def token_logprobs(model, ids, attn, mask=None, pos=None):
     A prompt that all rows share (MIN_PREFIX tokens or more) goes through the model once, on one
     row, and its KV is repeated for the others: the same log-probs, and gradients summed over the
     rows through the repeat, for a fraction of the work when the prompt is most of each row (chat
-    models). Not with gradient checkpointing, which drops the cache in training. pos: position ids
-    of one's own (the cold start's jitter), with which rows share no prompt."""
-    n = min(common_prefix(ids, attn), ids.shape[1] - 1) if pos is None else 0
-    pos = (attn.cumsum(-1) - 1).clamp(min=0) if pos is None else pos
+    models). Not with gradient checkpointing, which drops the cache in training."""
+    n = min(common_prefix(ids, attn), ids.shape[1] - 1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
     keep = attn[:, 1:] * attn[:, :-1] * (1 if mask is None else mask[:, 1:])
     checkpointing = model.training and any(getattr(m, "gradient_checkpointing", False) is True
                                            for m in model.modules())
@@ -345,6 +280,19 @@ def token_logprobs(model, ids, attn, mask=None, pos=None):
         lp = torch.cat([head_logp(model, first, ids[:, 1:n + 1], keep[:, :n], mask is None),
                         head_logp(model, rest[:, :-1], ids[:, n + 1:], keep[:, n:], mask is None)], 1)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], 1)
+
+
+def reference_logprobs(agent, batch, micro_batch=0):
+    """--kl-coef: the frozen reference's log-probs of a collated batch, micro-batch by micro-batch,
+    without gradient: a copy of the agent as RL started (agent.ref), or with LoRA its own base, the
+    adapter switched off."""
+    ids, attn, mask, _ = batch
+    mb = micro_batch or len(ids)
+    off = agent.peft.disable_adapter() if agent.peft else contextlib.nullcontext()
+    model = agent.model if agent.ref is None else agent.ref
+    with torch.no_grad(), agent.autocast(), off:
+        return torch.cat([token_logprobs(model, ids[s:s + mb], attn[s:s + mb], mask[s:s + mb])
+                          for s in range(0, len(ids), mb)])
 
 
 def head_logp(model, h, targets, keep, everywhere=True):

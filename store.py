@@ -150,11 +150,12 @@ class FileStore:
         limit, phase = self.progress_limit(), heartbeat.get("phase")
         if not limit or waited <= limit or type(phase) is not int or phase < 0:
             return
-        how = ("--progress-timeout" if self.progress_timeout >= 0 else
-               f"auto: {self.AUTO_FACTOR:g} x this role's slowest phase so far, at least {self.AUTO_FLOOR:g} s")
+        how = ("progress_timeout" if self.progress_timeout >= 0 else
+               f"{self.AUTO_FACTOR:g} x this role's slowest phase so far, at least AUTO_FLOOR = {self.AUTO_FLOOR:g} s")
         raise StoreError(f"waited {waited:.0f} s for record {' or '.join(keys)} in {self.dir}; the {self.peer} role "
-                         f"is alive but stays in phase {phase} of the schedule. If that phase can take longer, raise "
-                         f"--progress-timeout on this role (the limit was {limit:.0f} s, {how}; 0: no limit)")
+                         f"is alive but stays in phase {phase} of the schedule (the limit was {limit:.0f} s: {how}). "
+                         "If that phase can take longer, raise FileStore.AUTO_FLOOR in store.py and restart both "
+                         "roles with --resume")
 
     def check_peer(self):
         """The peer's heartbeat ({} if unreadable); StoreError if its counter has not moved for `timeout`

@@ -133,11 +133,12 @@ def search_observation(results, chat=False):
     return clean_text(" ; ".join(r["content"] for r in results))
 
 
-def tool_calls(search, questions, visit_max_chars, chat):
+def tool_calls(search, questions, chat):
     """The tools of S and the single agent, as mgrpo.agent_loop calls them: act(calls, turn) answers
     each call [(conversation, tag, argument)] with one message. A call searches (for conversation j,
     in the knowledge of questions[j]: its seed and level) or visits a page (chat models); a visit may
-    only go to a URL among the conversation's own search results. A tool that fails on its argument
+    only go to a URL among the conversation's own search results, and reads at most VISIT_CHARS of it
+    (about 700 tokens). A tool that fails on its argument
     (model output) answers with the error, and the run goes on."""
     seen = [set() for _ in questions]  # per conversation: the URLs its searches returned
 
@@ -146,7 +147,7 @@ def tool_calls(search, questions, visit_max_chars, chat):
         for j, tag, arg in calls:
             try:
                 if tag == "visit":
-                    messages.append(search.visit(arg, questions[j].seed, questions[j].level, visit_max_chars, seen[j]))
+                    messages.append(search.visit(arg, questions[j].seed, questions[j].level, VISIT_CHARS, seen[j]))
                     continue
                 results = search.search(arg, questions[j].seed, questions[j].level)
                 seen[j].update(r["url"] for r in results)
@@ -163,6 +164,7 @@ def tool_calls(search, questions, visit_max_chars, chat):
 # ---------------------------------------------------------------------------------------
 # Search and visit over HTTP
 # ---------------------------------------------------------------------------------------
+VISIT_CHARS = 2000  # a visited page's text is cut to this
 NOT_AMONG = "cannot visit {!r}: not among this trajectory's search results"
 _MARKUP = re.compile(r"<(?:(head|script|style)\b[^>]*|[^>]+)>", re.I)  # a tag; group 1: a block to cut whole
 _CLOSE = {n: re.compile(f"</{n}>", re.I) for n in ("head", "script", "style")}

@@ -3,10 +3,10 @@ uncertainty that comes from both.
 
 Every run follows the paper's two-stage curriculum. Stage 1, once per --stage1-seeds: a cold
 start on noisy scripted demos of the task's levels (the stand-in for a pretrained model) that
-goes on until the system passes a greedy check on each level (--sft-until). By default that is
+goes on until the system passes a greedy check on each level (ColdStart.until). By default that is
 all of stage 1, a departure from the paper, whose stage 1 also trains with RL on easy questions:
 here those RL steps broke M's level-2 plan in 2 of 5 stage 1s, and in 1 of 5 with RL guarded
-(docs/experiments.md), so the comparison measured which stage 1 broke. --stage1-steps N adds
+(experiments/README.md), so the comparison measured which stage 1 broke. --stage1-steps N adds
 the paper's RL steps, on questions of level 1 and of the harder levels in turn (--stage1-levels;
 a 0.2M main agent trained on two-hop questions alone forgets how to plan three hops). Stage 2:
 every arm starts from that stage 1 and trains --stage2-steps on harder questions, once per
@@ -22,17 +22,17 @@ every arm starts from that stage 1 and trains --stage2-steps on harder questions
   single   level 3 (4 hops, 11 or 12 noisy snippets), where a single agent's context grows to about
            230 tokens while M's stays near 50: co-train against single-agent
 Every experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0, and adds a KL penalty to the
-stage-1 agents (--kl-coef 0.04), which the paper does not have (docs/experiments.md says why).
+stage-1 agents (--kl-coef 0.04), which the paper does not have (experiments/README.md says why).
 
-    python scripts/compare.py --out runs/compare    # 'paper': 5 stage 1s x 3 seeds x 2 arms
-    python scripts/compare.py --experiment unsync --out runs/compare --resume
-    python scripts/compare.py --experiment single --out runs/compare --resume
-    python scripts/compare.py --quick               # a very short version, to check the pipeline
+    python -m experiments.compare --out runs/compare    # 'paper': 5 stage 1s x 3 seeds x 2 arms
+    python -m experiments.compare --experiment unsync --out runs/compare --resume
+    python -m experiments.compare --experiment single --out runs/compare --resume
+    python -m experiments.compare --quick               # a very short version, to check the pipeline
 
-Each report in docs/ gives its own wall time. The cold start rules the cost: one round of a 0.4M
-single agent on levels 1 to 3 (2400 steps of 32 demos, on one core) takes about 13 minutes, and
-each round that fails the check adds one (docs/stage1.md). --resume
-continues a comparison that was cut off, after its last finished run or cold-start round.
+Each report in experiments/ gives its own wall time. The cold start rules the cost: one round of a
+0.4M single agent on levels 1 to 3 (2400 steps of 32 demos, on one core) takes about 13 minutes,
+and each round that fails the check adds one (experiments/stage1.md). --resume continues a
+comparison that was cut off, after its last finished run or cold-start round.
 
 The report gives each arm's final success over all runs and per stage 1, and the paired
 difference (first arm - second arm, same stage 1 and seed) with a 95% t-interval over the stage 1s,
@@ -47,6 +47,7 @@ import csv
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -54,88 +55,66 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from cold_start import checked_cold_start
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"co-train": ["--mode", "co-train"],
-        "co-train unsync": ["--mode", "co-train", "--unsync"],
+        "co-train unsync": ["--mode", "unsync"],
         "main-only": ["--mode", "main-only"],
         "single-agent": ["--mode", "single-agent"]}
 # Every RL phase (stage 1's, where it has steps, and stage 2) clips gradients at 0.1, about their median norm
 # here, not 1.0: at level 3, two of three co-train runs fell to 0 at 1.0. At level 2 that was not enough (2 of
 # 30 runs fell for good), so RL also keeps each agent near where it started (stage 2: its stage-1 self; stage
 # 1: its cold start) with a k3 KL penalty, 0.04 as in DeepSeekMath's GRPO; the paper has none. Stage 1's RL
-# had neither until it broke M's level-2 plan for 2 of 5 stage 1s (docs/experiments.md). mgrpo.py's
+# had neither until it broke M's level-2 plan for 2 of 5 stage 1s (experiments/README.md). mgrpo.py's
 # --grad-clip also clips the cold start, so a stage 1 with RL steps clips its cold start at 0.1 too
 RL_GUARD = ["--grad-clip", "0.1", "--kl-coef", "0.04"]
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
-    "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *RL_GUARD], {"sft_levels": "1,2,2"}),
+    "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *RL_GUARD], {"levels": [1, 2, 2]}),
     # S at M's learning rate: at 1e-3 it drifted from stage 1 and sync co-training fell below its start;
-    # 5e-4 did no better than M's rate (docs/stage2-probes.md)
+    # 5e-4 did no better than M's rate (experiments/stage2-probes.md)
     "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", *RL_GUARD],
-               {"sft_levels": "1,2,2", "stage2_steps": 80}),  # its stage 1s are the paper experiment's
+               {"levels": [1, 2, 2], "stage2_steps": 80}),  # its stage 1s are the paper experiment's
     "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *RL_GUARD],
-               {"sft_levels": "1,2,3"}),
+               {"levels": [1, 2, 3]}),
 }
-# stage 1's cold start where the options do not set it, per kind of stage 1 (docs/stage1.md). The system's: 1200
-# steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps. The single agent's: 2400 steps of 32
-# (more updates, which its long level-3 demos needed); one draw a round since the models' first layer is uniform
-# (10 of 10 level-3 seeds passed in one round; before, about half of its draws did, and it had two a round).
-STAGE1 = {"system": {"sft_steps": 1200, "sft_batch": 64, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_decay": 1.0,
-                     "sft_draws": 1},
-          "single": {"sft_steps": 2400, "sft_batch": 32, "sft_lr": 1.5e-3, "sft_warmup": 0.05, "sft_decay": 1.0,
-                     "sft_draws": 1}}
+# Stage 1's cold start (mgrpo.py --cold-start), per kind of stage 1; the experiment adds its demos' levels. The
+# system's: 1200 steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps. The single agent's:
+# 2400 steps of 32 (more updates, which its long level-3 demos needed). Both: another round from fresh weights
+# until the system's greedy success reaches 0.95 on each demo level, and models whose first layer attends alike
+# to every earlier token, so that no first-layer head copies a fact by its kind of word (experiments/stage1.md)
+COLD_START = {"system": {"steps": 1200, "batch": 64, "lr": 1.5e-3, "warmup": 0.05, "decay": 1.0, "until": 0.95,
+                         "uniform_first_layer": True},
+              "single": {"steps": 2400, "batch": 32, "lr": 1.5e-3, "warmup": 0.05, "decay": 1.0, "until": 0.95,
+                         "uniform_first_layer": True}}
 # RL steps, where the experiment does not set its own. Stage 1 has none (see the docstring): at level 3, 60 steps
 # on levels 1, 2, 3 in turn broke M's four-hop plan; at level 2, 60 steps broke it in 2 of 5 stage 1s
 STAGE1_STEPS, STAGE2_STEPS = 0, 90
+QUICK = {"steps": 150, "until": 0.05}  # --quick's cold start: the pipeline checked, nothing shown
 
 
 def parse(argv=None):
     class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass  # the docstring as written (arms, experiments, examples), and every default
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
+    p = argparse.ArgumentParser(prog="python -m experiments.compare", description=__doc__, formatter_class=Help)
     p.add_argument("--experiment", default="paper", choices=list(EXPERIMENTS), help="setting and arms, see above")
     p.add_argument("--arms", nargs="+", default=None, choices=list(ARMS), metavar="ARM",
                    help=f"arms to run, of {list(ARMS)}; default: the experiment's two")
     p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                    help="one stage 1 per seed: the independent units of the intervals")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="stage-2 seeds, per stage 1 and arm")
-    p.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (stage 1), in each round that "
-                   f"--sft-until asks for; None: {STAGE1['system']['sft_steps']} for "
-                   f"the system, {STAGE1['single']['sft_steps']} for the single agent")
-    p.add_argument("--sft-until", type=float, default=0.95,
-                   help="the cold start runs again from fresh weights (at most 3 times) until the system's greedy "
-                        "success on held-out questions of each demo level reaches this (mgrpo.py --sft-until); "
-                        "0: no check")
-    p.add_argument("--sft-levels", default="",
-                   help="levels of the cold-start demos, in turn; empty: the experiment's (paper, unsync: 1,2,2: "
-                        "two level-2 demos per level-1 one; single: 1,2,3)")
-    p.add_argument("--sft-batch", type=int, default=None,
-                   help=f"demos per cold-start step; None: {STAGE1['system']['sft_batch']} for the system, "
-                   f"{STAGE1['single']['sft_batch']} for the single agent")
-    p.add_argument("--sft-lr", type=float, default=None,
-                   help=f"cold-start learning rate (stage 1); None: {STAGE1['system']['sft_lr']:g} for the system, "
-                   f"{STAGE1['single']['sft_lr']:g} for the single agent")
-    p.add_argument("--sft-warmup", type=float, default=None,
-                   help=f"share of a cold-start round over which its learning rate rises; None: "
-                   f"{STAGE1['system']['sft_warmup']:g} for the system, {STAGE1['single']['sft_warmup']:g} for the "
-                   "single agent")
-    p.add_argument("--sft-decay", type=float, default=None,
-                   help=f"share of a cold-start round's last steps over which its learning rate falls (mgrpo.py "
-                   f"--sft-decay); None: {STAGE1['system']['sft_decay']:g} for the system, "
-                   f"{STAGE1['single']['sft_decay']:g} for the single agent")
-    p.add_argument("--sft-draws", type=int, default=None,
-                   help=f"cold starts per round, the one of best check kept (mgrpo.py --sft-draws); None: "
-                   f"{STAGE1['system']['sft_draws']} for the system, {STAGE1['single']['sft_draws']} for the single "
-                   "agent")
+    p.add_argument("--cold-start", default="{}", help="a JSON object of ColdStart fields (cold_start.py) over "
+                   "each kind's stage-1 cold start (COLD_START, with the experiment's demo levels), e.g. "
+                   "'{\"steps\": 600, \"until\": 0}'")
     p.add_argument("--model-size", default="0.4M",
-                   help="size of the models that stage 1 builds (mgrpo.py --model-size), with a uniform first "
-                        "layer (--uniform-first-layer); stage 2 starts from them. 0.4M, 4 layers of 4 heads: with "
-                        "2 layers of 8 (0.2M) the copy of a word out of a long result list was learned by some "
-                        "seeds and not others (docs/experiments.md)")
+                   help="size of the models that stage 1 builds (mgrpo.py --model-size); stage 2 starts from them. "
+                        "0.4M, 4 layers of 4 heads: with 2 layers of 8 (0.2M) the copy of a word out of a long "
+                        "result list was learned by some seeds and not others")
     p.add_argument("--stage1-steps", type=int, default=STAGE1_STEPS,
                    help="RL steps in stage 1, as the paper's stage 1 has; 0: the cold start alone")
-    p.add_argument("--stage1-levels", default="",
-                   help="levels of stage 1's RL questions, in turn; empty: each level of the demos once (paper, "
-                        "unsync: 1,2; single: 1,2,3); 1: the paper's stage 1 of easy questions only")
+    p.add_argument("--stage1-levels", type=int, nargs="+", default=None,
+                   help="levels of stage 1's RL questions, in turn; default: each level of the demos once "
+                        "(paper, unsync: 1 2; single: 1 2 3); 1: the paper's stage 1 of easy questions only")
     p.add_argument("--stage2-steps", type=int, default=None,
                    help="RL steps per stage-2 run; default: 90 (unsync: 80)")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every N stage-2 steps")
@@ -160,28 +139,26 @@ def parse(argv=None):
         p.error("--resume needs the --out of the comparison to continue")
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
     own = EXPERIMENTS[a.experiment][2]
-    a.sft_levels = a.sft_levels or own["sft_levels"]
     a.stage2_steps = own.get("stage2_steps", STAGE2_STEPS) if a.stage2_steps is None else a.stage2_steps
-    a.stage1_levels = a.stage1_levels or ",".join(sorted(set(a.sft_levels.split(",")), key=int))
+    try:
+        mine = json.loads(a.cold_start)
+        if not isinstance(mine, dict):
+            raise ValueError("not a JSON object")
+        # each kind's cold start, as mgrpo.py will take it: the experiment's levels, COLD_START's settings, yours
+        a.cold = {kind: {"levels": own["levels"], **c, **(QUICK if a.quick else {}), **mine}
+                  for kind, c in COLD_START.items()}
+        for c in a.cold.values():
+            checked_cold_start(c)
+    except (ValueError, TypeError, RecursionError) as e:
+        p.error(f"--cold-start: {e}")
+    a.stage1_levels = a.stage1_levels or sorted(set(a.cold["system"]["levels"]))
     if a.quick:
         a.stage1_seeds, a.seeds = a.stage1_seeds[:2], a.seeds[:2]
-        a.sft_steps, a.stage1_steps, a.stage2_steps = 150, 2, 4
-        a.sft_until = min(a.sft_until, 0.05)
+        a.stage1_steps, a.stage2_steps = 2, 4
         a.eval_every, a.eval_questions = 2, 16
-    if not 0 <= a.sft_until <= 1:
-        p.error("--sft-until is a success rate, in [0, 1]")
-    if a.sft_warmup is not None and not 0 <= a.sft_warmup <= 1:
-        p.error("--sft-warmup is a share, in [0, 1]")
-    if a.sft_decay is not None and not 0 < a.sft_decay <= 1:
-        p.error("--sft-decay is a share, in (0, 1]")
-    # each kind's cold start: the options given, else STAGE1's
-    a.cold = {kind: {key: value if getattr(a, key) is None else getattr(a, key) for key, value in defaults.items()}
-              for kind, defaults in STAGE1.items()}
-    if (any(c["sft_steps"] < 0 or min(c["sft_batch"], c["sft_draws"]) < 1 or not c["sft_lr"] > 0
-            for c in a.cold.values())
-            or a.stage1_steps < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) < 1):
-        p.error("--sft-steps and --stage1-steps must be >= 0, --stage2-steps, --eval-every, --eval-questions, --jobs, "
-                "--sft-batch, --sft-draws >= 1, and --sft-lr > 0")
+    if a.stage1_steps < 0 or min(a.stage2_steps, a.eval_every, a.eval_questions, a.jobs, *a.stage1_levels) < 1:
+        p.error("--stage1-steps must be >= 0, --stage2-steps, --eval-every, --eval-questions, --jobs and "
+                "--stage1-levels >= 1")
     if len(set(a.stage1_seeds)) != len(a.stage1_seeds) or len(set(a.seeds)) != len(a.seeds):
         p.error("--stage1-seeds and --seeds must not repeat a seed")
     return a
@@ -400,7 +377,7 @@ def stage1_report(s1_done, stage1, exp_out, show):
     passed = sum(bool(v.get("sft_check", {}).get("passed")) for v in s1_done.values())
     checked = any(v.get("sft_check") for v in s1_done.values())
     title = (f"{passed} of {len(s1_done)} passed their cold-start check" if checked else
-             f"{len(s1_done)}, without a cold-start check (--sft-until 0)")
+             f"{len(s1_done)}, without a cold-start check (until 0)")
     md = "\n".join([f"# Stage 1s: {title}", "",
                      "| stage 1 | check | minutes (cold start and stage 1's RL) |", "|---|---|---|", *rows, "",
                      "## Commands", "", *[f"- `{k}`: `{show(v)} --out <out>/{k}`" for k, v in stage1.items()], ""])
@@ -408,14 +385,6 @@ def stage1_report(s1_done, stage1, exp_out, show):
         f.write(md)
     print("\n".join(rows) + f"\n{passed} of {len(s1_done)} stage 1s passed | {exp_out}/stage1.md")
     return passed
-
-
-def cold_start(a, kind):
-    """mgrpo.py's cold-start options for a stage 1 of this kind ("system" or "single")."""
-    c = a.cold[kind]
-    return ["--sft-steps", str(c["sft_steps"]), "--sft-batch", str(c["sft_batch"]), "--sft-lr", str(c["sft_lr"]),
-            "--sft-warmup", str(c["sft_warmup"]), "--sft-decay", str(c["sft_decay"]),
-            "--sft-draws", str(c["sft_draws"])]
 
 
 def main(argv=None):
@@ -428,19 +397,19 @@ def main(argv=None):
     t_start = time.time()
     common = ["--eval-questions", str(a.eval_questions), *a.extra.split()]
     stage1, stage2_plan, plan = {}, {}, {}
-    s1_prefix = "stage1-levels" + a.sft_levels.replace(",", "")  # experiments with the same stage 1 share it
+    s1_prefix = "stage1-levels" + "".join(map(str, a.cold["system"]["levels"]))  # shared across experiments
     for s1 in a.stage1_seeds:
         stage2 = EXPERIMENTS[a.experiment][1]  # D and M's turns as in stage 2: stage 1 meets its hardest questions
         shape = [x for key in ("--max-sub", "--main-max-turns") if key in stage2
                  for x in (key, stage2[stage2.index(key) + 1])]
-        base = ["--level", "1", "--train-levels", a.stage1_levels, *shape, "--model-size", a.model_size,
-                "--uniform-first-layer",
-                "--sft-levels", a.sft_levels, "--sft-until", str(a.sft_until), "--steps", str(a.stage1_steps),
+        base = ["--level", "1", "--train-levels", *map(str, a.stage1_levels), *shape, "--model-size", a.model_size,
+                "--steps", str(a.stage1_steps),
                 "--eval-every", "0", "--seed", str(s1), *(RL_GUARD if a.stage1_steps else []), *common]
         if any(arm != "single-agent" for arm in a.arms):
-            stage1[f"{s1_prefix}-seed{s1}-system"] = base + cold_start(a, "system")
+            stage1[f"{s1_prefix}-seed{s1}-system"] = base + ["--cold-start", json.dumps(a.cold["system"])]
         if "single-agent" in a.arms:
-            stage1[f"{s1_prefix}-seed{s1}-single"] = base + cold_start(a, "single") + ["--mode", "single-agent"]
+            stage1[f"{s1_prefix}-seed{s1}-single"] = base + ["--cold-start", json.dumps(a.cold["single"]),
+                                                             "--mode", "single-agent"]
     for arm in sorted(a.arms, key=lambda arm: arm == "single-agent"):
         for s1 in a.stage1_seeds:
             s1_name = f"{s1_prefix}-seed{s1}-" + ("single" if arm == "single-agent" else "system")
@@ -449,12 +418,12 @@ def main(argv=None):
             for seed in a.seeds:
                 name = f"{a.experiment}/{arm.replace(' ', '-')}-stage1seed{s1}-seed{seed}"
                 plan[name] = (arm, s1, seed, s1_name)
-                stage2_plan[name] = [*EXPERIMENTS[a.experiment][1], "--sft-steps", "0", "--steps",
+                stage2_plan[name] = [*EXPERIMENTS[a.experiment][1], "--cold-start", "none", "--steps",
                                      str(a.stage2_steps), "--eval-every", str(a.eval_every), *common,
                                      *ARMS[arm], *init, "--seed", str(seed)]
 
-    def show(argv):  # the folders as <out>/..., so results.md reads the same on any machine
-        return " ".join(argv).replace(out, "<out>")
+    def show(argv):  # as a shell reads it, the folders as <out>/..., so results.md reads the same on any machine
+        return shlex.join(argv).replace(out, "<out>")
 
     print(f"comparison '{a.experiment}' -> {exp_out}\nevery run: python mgrpo.py <options> --out <folder>, "
           f"mgrpo.py's defaults for the rest (saved in each run's args.json)", flush=True)

@@ -2,8 +2,8 @@
 log-prob recomputation (the training forward pass) and update (backward + optimizer),
 with tokens/s, for the model sizes built in code.
 
-    python scripts/bench.py                    # 0.1M, 0.2M (the default), 1M, 4M; a short cold start each
-    python scripts/bench.py --sizes 1M --steps 5
+    python -m benchmarks.bench                    # 0.1M, 0.2M (the default), 1M, 4M; a short cold start each
+    python -m benchmarks.bench --sizes 1M --steps 5
 
 A short cold start first, so that rollouts look like training ones (valid formats,
 about two sub-agent calls per rollout) rather than a random model's garbage.
@@ -11,17 +11,15 @@ Figures are wall-clock on whatever machine runs it; compare sizes within one run
 """
 import argparse
 import functools
-import os
 import resource
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-import numpy as np  # noqa: E402
+import numpy as np
 
-import mgrpo  # noqa: E402
-import toy_tools  # noqa: E402
-from agents import SIZES, load_agent  # noqa: E402
-from cold_start import cold_start  # noqa: E402
+import mgrpo
+import toy_tools
+from agents import load_agent
+from cold_start import cold_start
+from tiny_models import SIZES
 
 
 def main():
@@ -35,7 +33,7 @@ def main():
     print(f"{'size':>5} {'params':>7} | {'gen s':>6} {'logp s':>6} {'update s':>8} {'step s':>6} | "
           f"{'gen tok/s':>9} {'train tok/s':>11} | {'rollouts':>8} {'sub calls':>9} | {'peak RSS so far':>16}")
     for size in b.sizes:
-        args = mgrpo.parse_args(["--model-size", size, "--sft-steps", str(b.sft_steps), "--device", b.device])
+        args = mgrpo.parse_args(["--model-size", size, "--cold-start", str(b.sft_steps), "--device", b.device])
         main_a, sub_a = load_agent("", args, toy_tools, 0), load_agent("", args, toy_tools, 1)
         cold_start(main_a, "main", args, toy_tools, 0, b.sft_steps)
         cold_start(sub_a, "sub", args, toy_tools, 1, b.sft_steps)

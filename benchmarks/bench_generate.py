@@ -22,8 +22,8 @@ each sampler replays all the calls, in a process of its own (so that its peak me
 Besides tokens/s, it counts the tokens each sampler prefills per M-GRPO step, against the floor:
 each distinct token once (a prompt that a step's conversations share, once per step).
 
-    python scripts/bench_generate.py                  # CPU, the default demo's models
-    python scripts/bench_generate.py --device cuda --models runs/gpu_check/models --chat --bf16
+    python -m benchmarks.bench_generate                  # CPU, the default demo's models
+    python -m benchmarks.bench_generate --device cuda --models runs/gpu_check/models --chat --bf16
 
 Figures are wall-clock on whatever machine runs it; compare the rows of one run.
 """
@@ -38,16 +38,18 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-import mgrpo  # noqa: E402
-import toy_tools  # noqa: E402
-from agents import SIZES, load_agent  # noqa: E402
-from cold_start import cold_start  # noqa: E402
-import sampling  # noqa: E402
-from sampling import forward_last, sample_token  # noqa: E402
+import mgrpo
+import toy_tools
+from agents import load_agent
+from cold_start import cold_start
+import sampling
+from sampling import forward_last, sample_token
+from tiny_models import SIZES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class StepLogprobs(transformers.LogitsProcessor):
@@ -115,8 +117,9 @@ def proc_status(key):
 
 def record(b, folder):
     """Cold-start two agents briefly, run b.steps M-GRPO steps, save the agents and every call."""
-    argv = ["--model-size", b.model_size, "--sft-steps", str(b.sft_steps), "--device", b.device,
-            "--max-new-tokens", str(b.max_new_tokens)] + (["--chat", "--sft-batch", "16"] if b.chat else [])
+    cold = {"steps": b.sft_steps, **({"batch": 16} if b.chat else {})}
+    argv = ["--model-size", b.model_size, "--cold-start", json.dumps(cold), "--device", b.device,
+            "--max-new-tokens", str(b.max_new_tokens)] + (["--chat"] if b.chat else [])
     args = mgrpo.parse_args(argv)
     search = toy_tools.ToySearch()
     agents = {name: load_agent(os.path.join(b.models, name) if b.models else "", args, toy_tools, seed)
@@ -167,9 +170,10 @@ def counting(counts):
 
 def replay(b, folder, method):
     """Time one sampler on every recorded call; print one JSON line of figures."""
-    args = mgrpo.parse_args(["--device", b.device] + (["--dtype", "bfloat16"] if b.bf16 else [])
-                            + ([] if method == "graphs" else ["--no-cuda-graphs"]))
+    args = mgrpo.parse_args(["--device", b.device] + (["--dtype", "bfloat16"] if b.bf16 else []))
     agents = {n: load_agent(os.path.join(folder, n), args, toy_tools) for n in ("main", "sub")}
+    for a in agents.values():
+        a.graphs = a.graphs if method == "graphs" else None  # CUDA graphs on a GPU only for "graphs"
     with open(os.path.join(folder, "calls.json")) as f:
         calls = json.load(f)
     kept, counts = {}, {"prefill": 0, "prompts": 0}
@@ -268,8 +272,8 @@ def main():
     runs = {m: [] for m in methods}
     for _ in range(b.rounds):  # the samplers take turns, so that a busy moment of the machine hits them alike
         for m in methods:
-            cmd = [sys.executable, os.path.abspath(__file__), "--replay", m, "--folder", folder] + sys.argv[1:]
-            r = subprocess.run(cmd, capture_output=True, text=True)
+            cmd = [sys.executable, "-m", "benchmarks.bench_generate", "--replay", m, "--folder", folder] + sys.argv[1:]
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if r.returncode != 0:
                 print(f"{m}: failed\n{r.stderr[-2000:]}")
                 continue

@@ -14,10 +14,10 @@ that mgrpo prints at start-up (run.memory_estimate). The settings (--modes):
 - lora: as masked, with the base frozen and LoRA adapters of --lora-rank on all linear layers
   (agents.add_adapter, as `mgrpo.py --lora-rank` sets them up)
 
-    python scripts/bench_memory.py                      # 2 rows of 512 tokens, 64 sampled per row
-    python scripts/bench_memory.py --rows 4 --tokens 1024 --sampled 128 --modes masked lora
-    python scripts/bench_memory.py --device cuda --dtype bfloat16 --rows 8 --tokens 2048
-    python scripts/bench_memory.py --table              # the estimate alone, for common sizes
+    python -m benchmarks.bench_memory                      # 2 rows of 512 tokens, 64 sampled per row
+    python -m benchmarks.bench_memory --rows 4 --tokens 1024 --sampled 128 --modes masked lora
+    python -m benchmarks.bench_memory --device cuda --dtype bfloat16 --rows 8 --tokens 2048
+    python -m benchmarks.bench_memory --table              # the estimate alone, for common sizes
 """
 import argparse
 import json
@@ -26,15 +26,15 @@ import resource
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-from agents import Agent, add_adapter  # noqa: E402
-from run import memory_estimate  # noqa: E402
-from sampling import token_logprobs  # noqa: E402
+from agents import Agent, add_adapter
+from run import memory_estimate
+from sampling import token_logprobs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
@@ -66,8 +66,7 @@ def one(a):
     agent = Agent(model, None, opt=torch.optim.AdamW(model.parameters(), lr=1e-6),
                   bf16=a.dtype == "bfloat16")
     if a.mode == "lora":
-        add_adapter(agent, SimpleNamespace(dtype=a.dtype, lora_rank=a.lora_rank, lora_alpha=0,
-                                           lora_targets="all-linear"), "Qwen2.5-0.5B's shape")
+        add_adapter(agent, a.lora_rank, "Qwen2.5-0.5B's shape")
     ids = torch.randint(0, cfg["vocab_size"], (a.rows, a.tokens), device=dev)
     attn = torch.ones_like(ids)
     mask = torch.zeros_like(ids)
@@ -142,12 +141,12 @@ def main():
           f"AdamW, {a.rows} rows x {a.tokens} tokens, {a.sampled} sampled per row, {a.threads} threads", flush=True)
     res = {}
     for mode in a.modes:
-        argv = [sys.executable, __file__, "--mode", mode] + [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in (
+        argv = [sys.executable, "-m", "benchmarks.bench_memory", "--mode", mode] + [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in (
             "rows", "tokens", "sampled", "layers", "vocab", "threads", "lora_rank", "dtype", "device")]
         # glibc keeps freed large blocks in its heap once its mmap threshold has grown, so that the
         # resident peak would count the allocator's slack; a fixed threshold returns them at once
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536"))
-        done = subprocess.run(argv, capture_output=True, text=True, env=env)
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
         if done.returncode:  # -9: killed, on Linux most likely by the kernel's out-of-memory killer
             print(f"  {mode:6s}: the process ended with code {done.returncode} "
                   f"({'killed: out of memory?' if done.returncode == -9 else done.stderr[-500:]})")

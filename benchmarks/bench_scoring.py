@@ -5,26 +5,24 @@ A batch is the toy task's cold-start demos for one agent kind, built in code as 
 its models (their system prompt is most of each row) or word-level. Each pass is a forward and a
 backward of the summed log-probs of the mask-1 tokens, as in training; the two ways take turns.
 
-    python scripts/bench_scoring.py                 # chat models, 16 and 64 demos per batch
-    python scripts/bench_scoring.py --word          # the word-level models (short contexts)
+    python -m benchmarks.bench_scoring                 # chat models, 16 and 64 demos per batch
+    python -m benchmarks.bench_scoring --word          # the word-level models (short contexts)
 
 Figures are wall-clock on whatever machine runs it; compare the rows of one run.
 """
 import argparse
-import os
 import random
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
+import torch
 
-import mgrpo  # noqa: E402
-import toy_tools  # noqa: E402
-from agents import SIZES, load_agent  # noqa: E402
-from cold_start import encode_demo  # noqa: E402
-from sampling import collate, common_prefix, next_logp, token_logprobs  # noqa: E402
+import mgrpo
+import toy_tools
+from agents import load_agent
+from cold_start import encode_demo
+from sampling import collate, common_prefix, next_logp, token_logprobs
+from tiny_models import SIZES
 
 
 def whole(model, ids, attn):

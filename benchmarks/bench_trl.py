@@ -10,25 +10,23 @@ updated weights. trl is not a requirement of mgrpo: install it in a throwaway en
 
     python3 -m venv /tmp/trl-venv && . /tmp/trl-venv/bin/activate
     pip install torch==2.13.0 -r requirements.txt trl
-    python scripts/bench_trl.py                       # 0.1M, 1M and 4M parameters
+    python -m benchmarks.bench_trl                       # 0.1M, 1M and 4M parameters
 
 Without trl the script says so and exits with status 0.
 """
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-import agents  # noqa: E402
-import mgrpo  # noqa: E402
-import toy_tools  # noqa: E402
-from agents import Traj  # noqa: E402
+import agents
+import mgrpo
+import toy_tools
+from agents import Traj
 
 PROMPTS = ["country of ada ?", "country of bo ?", "city of cy", "friend of dex", "country of avon",
            "city of eli", "friend of fay", "country of friend of gus ?"]

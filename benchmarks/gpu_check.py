@@ -12,36 +12,34 @@ Needs no download: every model is built in code.
 4. mgrpo's own loop (eager and CUDA graphs) against HF `generate` in sampled tokens/s, on a model of
    Qwen2.5-0.5B's shape in bf16 (random weights: sampling speed depends on the shape only).
 5. One training step at Qwen2.5-0.5B's shape, full against LoRA: peak memory and step time against
-   the estimate (scripts/bench_memory.py on the GPU).
-6. Optionally, the recorded rollout calls replayed by each sampler (scripts/bench_generate.py).
+   the estimate (benchmarks/bench_memory.py on the GPU).
+6. Optionally, the recorded rollout calls replayed by each sampler (benchmarks/bench_generate.py).
 It prints as it goes and writes a Markdown report (--report) and the figures as JSON (<out>/gpu_check.json).
 
-    python scripts/gpu_check.py                 # not yet timed; with one two-process run it took 3 minutes on an H200
-    python scripts/gpu_check.py --models runs/gpu_check/models --role-args "--grad-checkpointing"
-    python scripts/gpu_check.py --device cpu --size 0.1M --steps 2 --sft-steps 3 --questions 2 \\
+    python -m benchmarks.gpu_check                 # not yet timed; with one two-process run it took 3 minutes on an H200
+    python -m benchmarks.gpu_check --models runs/gpu_check/models --role-args "--grad-checkpointing"
+    python -m benchmarks.gpu_check --device cpu --size 0.1M --steps 2 --sft-steps 3 --questions 2 \\
         --shape tiny --report /tmp/report.md  # a dry run on a CPU
 """
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
 import torch
+import transformers
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-import transformers  # noqa: E402
+import mgrpo
+import sampling
+import toy_tools
+from agents import load_agent, load_tokenizer, prompt_ids
+from benchmarks import bench_generate, bench_memory
 
-import bench_generate  # noqa: E402  (scripts/, this file's folder)
-import bench_memory  # noqa: E402
-import mgrpo  # noqa: E402
-import sampling  # noqa: E402
-import toy_tools  # noqa: E402
-from agents import load_agent, load_tokenizer, prompt_ids  # noqa: E402
-from cold_start import cold_start  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from cold_start import cold_start
 
 TINY = dict(bench_memory.QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)  # --shape tiny: dry runs
@@ -81,8 +79,7 @@ def build(b):
         print(f"models from {b.models}", flush=True)
         return b.models
     models, t0 = os.path.join(b.out, "models"), time.time()
-    build_args = run_args(b, "--model-size", b.size, "--sft-steps", str(b.sft_steps), "--sft-batch", "32",
-                          "--sft-lr", "1e-3")
+    build_args = run_args(b, "--model-size", b.size, "--cold-start", json.dumps({"batch": 32, "lr": 1e-3}))
     for name, seed in (("main", 1), ("sub", 2)):
         agent = load_agent("", build_args, toy_tools, seed)
         loss = cold_start(agent, name, build_args, toy_tools, seed, b.sft_steps) if b.sft_steps else float("nan")
@@ -99,9 +96,10 @@ def two_process(b, models, name, extra):
     """--role main and --role sub as two processes on one device, one store; returns the wall time."""
     out = os.path.join(b.out, name)
     common = ["--steps", str(b.steps), "--questions-per-step", str(b.questions), "--group-size", "8",
-              "--sft-steps", "0", "--device", b.device, "--dtype", b.dtype, "--max-new-tokens", "48",
+              "--cold-start", "none", "--device", b.device, "--dtype", b.dtype, "--max-new-tokens", "48",
               "--eval-questions", "16", "--eval-every", "0", "--store", os.path.join(out, "store"),
-              "--run-id", f"check{int(time.time())}", "--peer-timeout", "300", "--lr", str(b.lr)] + extra
+              "--lr", str(b.lr)] + extra
+    shutil.rmtree(os.path.join(out, "store"), ignore_errors=True)  # an earlier check's records
     procs = {}
     for role in ("main", "sub"):
         cmd = [sys.executable, os.path.join(ROOT, "mgrpo.py"), "--role", role, "--overwrite",
@@ -213,7 +211,7 @@ def shape_model(b, models):
 
 def own_loop_vs_hf(b, models, rows=64, new=128, reps=3):
     """Sampled tokens/s of HF generate, mgrpo's eager loop and its CUDA-graph loop on the same contexts."""
-    agent = load_agent(shape_model(b, models), run_args(b, "--no-cuda-graphs"), toy_tools)
+    agent = load_agent(shape_model(b, models), run_args(b), toy_tools)
     ctx, res = contexts(agent, rows), {}
     samplers = {"hf": bench_generate.hf_generate, "eager": sampling.generate, "graphs": sampling.generate}
     for name, fn in samplers.items():
@@ -234,10 +232,10 @@ def own_loop_vs_hf(b, models, rows=64, new=128, reps=3):
 
 
 def memory_at_shape(b):
-    """scripts/bench_memory.py on this device: one training step, full (masked) and LoRA."""
+    """benchmarks/bench_memory.py on this device: one training step, full (masked) and LoRA."""
     size = ["--layers", "1", "--vocab", "2048", "--rows", "1", "--tokens", "64", "--sampled", "8"] \
         if b.shape == "tiny" else ["--rows", "8", "--tokens", "1024", "--sampled", "256"]
-    cmd = [sys.executable, os.path.join(HERE, "bench_memory.py"), "--device", b.device, "--dtype", b.dtype,
+    cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--device", b.device, "--dtype", b.dtype,
            "--modes", "masked", "lora"] + size
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     print(r.stdout.rsplit("\n", 2)[0] if r.returncode == 0 else f"bench_memory failed:\n{r.stderr[-2000:]}", flush=True)
@@ -252,7 +250,7 @@ def report(b, res, path):
     gib = lambda x: "-" if x is None else f"{x:.2f} GiB"  # noqa: E731
     runs = [n for n in ("full", "lora") if n in res]
     lines = [f"# GPU check: {res['device']}", "",
-             f"`python scripts/gpu_check.py {' '.join(sys.argv[1:])}` (scripts/gpu_check.py explains each part); "
+             f"`python -m benchmarks.gpu_check {' '.join(sys.argv[1:])}` (benchmarks/gpu_check.py explains each part); "
              f"torch {torch.__version__}, transformers {transformers.__version__}, {time.strftime('%Y-%m-%d')}. "
              f"Chat models of {b.size}, {b.steps} steps of {b.questions} questions x 8 rollouts, {b.dtype}; "
              "the first step left out.", "",
@@ -276,7 +274,7 @@ def report(b, res, path):
               f"{s['rows']} rows x {s['new_tokens']} new tokens)", "", "| sampler | tokens/s | against HF generate |",
               "|---|---|---|"] + [f"| {k} | {s[k]:.0f} | {s[k] / s['hf']:.2f}x |"
                                   for k in ("hf", "eager", "graphs") if k in s]
-    lines += ["", "## One training step at Qwen2.5-0.5B's shape (scripts/bench_memory.py)", "",
+    lines += ["", "## One training step at Qwen2.5-0.5B's shape (benchmarks/bench_memory.py)", "",
               "| | peak | start-up estimate | step | trained parameters |", "|---|---|---|---|---|"]
     lines += [f"| {k} | {gib(v['peak_gib'])} | {gib(v['estimate_gib'])} | {v['step_s']:.2f} s | "
               f"{v['trained'] / 1e6:.1f}M |" for k, v in res["memory"].items()]
@@ -305,7 +303,7 @@ def main():
     p.add_argument("--out", default="runs/gpu_check", help="models, logs, metrics and gpu_check.json go here")
     p.add_argument("--report", default="docs/gpu_check-report.md", help="the Markdown report")
     p.add_argument("--samplers", action=argparse.BooleanOptionalAction, default=False,
-                   help="last, replay two steps' rollout calls with each sampler (scripts/bench_generate.py)")
+                   help="last, replay two steps' rollout calls with each sampler (benchmarks/bench_generate.py)")
     b = p.parse_args()
     transformers.utils.logging.disable_progress_bar()
     cuda = b.device.startswith("cuda")
@@ -332,7 +330,7 @@ def main():
     report(b, res, b.report)
     if b.samplers:
         print("\nsamplers, replaying the generate calls of 2 M-GRPO steps with these models:", flush=True)
-        r = subprocess.run([sys.executable, os.path.join(HERE, "bench_generate.py"), "--models", models, "--chat",
+        r = subprocess.run([sys.executable, "-m", "benchmarks.bench_generate", "--models", models, "--chat",
                             "--device", b.device, "--steps", "2", "--repeat", "2", "--max-new-tokens", "48",
                             "--folder", os.path.join(b.out, "replay")] + (["--bf16"] if cuda else []),
                            capture_output=True, text=True, cwd=ROOT)

@@ -4,25 +4,23 @@ On the held-out questions that mgrpo.py evaluates, the agents given (--main-mode
 run greedy; at each place where M opens its answer, this prints, for M and for each model of
 --compare (other main agents, e.g. the same run a step later), log p(<answer>) - log p(<call>)
 at that token: its median, its least value and the share below 0 (where that M would delegate
-again instead). For the M that ran greedy it is never below 0. docs/compare-paper-coldstart.md
-uses it on a run whose M began to delegate a fourth time after one update:
+again instead). For the M that ran greedy it is never below 0. experiments/paper.md uses it on a
+run whose M began to delegate a fourth time after one update:
 
-    python scripts/answer_margin.py --level 2 --max-sub 3 --sft-steps 0 --seed 3 --eval-questions 64 \\
+    python -m experiments.answer_margin --level 2 --max-sub 3 --seed 3 --eval-questions 64 \\
         --main-model <run at 17 steps>/main --sub-model <run at 17 steps>/sub \\
         --compare <stage 1>/main <run at 18 steps>/main
 """
 import argparse
-import os
 import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import mgrpo  # noqa: E402
-import toy_tools  # noqa: E402
-from agents import load_agent  # noqa: E402
-from first_errors import trained_agents  # noqa: E402
+import mgrpo
+import toy_tools
+from agents import load_agent
+from experiments.first_errors import trained_agents
 
 
 def answer_contexts(agent, args, delegate, search, open_id):

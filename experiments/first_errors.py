@@ -8,24 +8,22 @@ returned last. The single agent (--mode single-agent): per hop, whether it searc
 entity (the first search copies the question's name; each later one the value read from the list
 before), then whether its answer is right. Sampled at temperature 1 as in evaluation, then greedy;
 with the tokens each agent sampled per question (each one a chance to go wrong at temperature 1).
-It probes the toy task only; docs/experiments.md uses it on the single experiment's runs:
+It probes the toy task only; experiments/single.md uses it on the single experiment's runs:
 
-    python scripts/first_errors.py --level 3 --max-sub 4 --main-max-turns 5 --sft-steps 0 \\
+    python -m experiments.first_errors --level 3 --max-sub 4 --main-max-turns 5 \\
         --main-model <run>/main --sub-model <run>/sub
-    python scripts/first_errors.py --mode single-agent --level 3 --max-sub 4 --main-max-turns 5 \\
-        --sft-steps 0 --main-model <run>/main
+    python -m experiments.first_errors --mode single-agent --level 3 --max-sub 4 --main-max-turns 5 \\
+        --main-model <run>/main
 """
 import collections
 import functools
-import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import mgrpo  # noqa: E402
-import toy_tools  # noqa: E402
-from agents import load_agent  # noqa: E402
-from sub_probe import sub_tasks  # noqa: E402
+import mgrpo
+import toy_tools
+from agents import load_agent
+from experiments.sub_probe import sub_tasks
 
 
 def system_error(q, chain, traj, subs):

@@ -10,30 +10,28 @@ With --mode single-agent: the single agent on 200 held-out questions per level, 
 for each failure the first search that asks for a wrong entity (the hop before was misread) and
 where the misread fact stood in its list. For the single agent and the sub-agent: whether it reads a
 person's fact at each distance back from the end of a list (reads_by_distance).
-The probes of stage 1s in docs/compare-single.md come from it. It probes the toy task only:
+The probes of stage 1s in experiments/stage1.md come from it. It probes the toy task only:
 
-    python scripts/sub_probe.py --sft-levels 1,2,2,3
-    python scripts/sub_probe.py --main-model runs/compare/stage1-levels122-seed2-system/main \
+    python -m experiments.sub_probe --cold-start '{"levels": [1, 2, 2, 3]}'
+    python -m experiments.sub_probe --main-model runs/compare/stage1-levels122-seed2-system/main \
         --sub-model runs/compare/stage1-levels122-seed2-system/sub
-    python scripts/sub_probe.py --mode single-agent --main-model <stage 1>/main
-    python scripts/sub_probe.py --help     # any mgrpo.py option
+    python -m experiments.sub_probe --mode single-agent --main-model <stage 1>/main
+    python -m experiments.sub_probe --help     # any mgrpo.py option
 """
-import os
 import random
 import re
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-import cold_start  # noqa: E402
-import mgrpo  # noqa: E402
-import toy_tools  # noqa: E402
-from agents import Traj, load_agent, new_traj  # noqa: E402
-from sampling import collate  # noqa: E402
-from tools import tool_calls  # noqa: E402
+import cold_start
+import mgrpo
+import toy_tools
+from agents import Traj, load_agent, new_traj
+from sampling import collate
+from tools import tool_calls
 
 
 def sub_tasks(level, n=200):
@@ -95,7 +93,7 @@ def single_agent_misses(agent, args, n=200):
     for level in sorted(toy_tools.N_SNIPPETS):
         qs, tasks = sub_tasks(level, n)
         trajs = [new_traj(agent, "single", q.text) for q in qs]
-        act = tool_calls(toy_tools.ToySearch(), qs, args.visit_max_chars, agent.chat)
+        act = tool_calls(toy_tools.ToySearch(), qs, agent.chat)
         trajs = mgrpo.agent_loop(agent, "single", trajs, act, args.main_max_turns, 0, True)
         seen, places = {}, {}
         for j, (t, q) in enumerate(zip(trajs, qs)):
@@ -207,18 +205,18 @@ def main(argv=None):
     steps = cold_start.cold_start_steps(args, {"main": args.main_model, "sub": args.sub_model})
     if args.mode == "single-agent":
         agent = load_agent(args.main_model, args, toy_tools, seed=args.seed)
-        cold_start.cold_start_all({"main": agent}, {"main": steps["main"]}, args, toy_tools)
+        cold_start.cold_start_round({"main": agent}, {"main": steps["main"]}, args, toy_tools)
         print("single agent, greedy, 200 held-out questions per level:")
         single_agent_misses(agent, args)
         print("single agent, level 2's facts about a person read (greedy), by how many facts back they stand:")
         return reads_by_distance(agent, "single")
     agents = {"main": load_agent(args.main_model, args, toy_tools, seed=args.seed),
               "sub": load_agent(args.sub_model, args, toy_tools, seed=args.seed + 1)}
-    cold_start.cold_start_all(agents, steps, args, toy_tools)
+    cold_start.cold_start_round(agents, steps, args, toy_tools)
     what = [f"from {args.main_model or 'a new model'} and {args.sub_model or 'a new model'}"]
     if any(steps.values()):
         what.append(f"after {' / '.join(map(str, steps.values()))} cold-start steps (main / sub; levels "
-                    f"{args.sft_levels or args.level}, lr {args.sft_lr}, seed {args.seed})")
+                    f"{cold_start.demo_levels(args)}, lr {args.cold_start.lr}, seed {args.seed})")
     print(f"agents {' '.join(what)}, {time.time() - t0:.0f}s\nsub-agent, expert score greedy / sampled:")
     probe_sub(agents["sub"], args)
     print("sub-agent, level 2's facts about a person read (greedy), by how many facts back they stand:")

@@ -25,9 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG_RUNS = {
     "demo_run": ["--seed", "1"],  # the default demo, `python mgrpo.py --seed 1`
     # docs/real-models.md's chat run, cut short: the same cold start, 50 RL steps of the 400
-    "chat_run": ["--chat", "--sft-steps", "800", "--sft-batch", "16", "--sft-bare", "0.75", "--steps", "50",
+    "chat_run": ["--chat", "--cold-start", "chat", "--steps", "50",
                  "--lr", "1.5e-4", "--questions-per-step", "4", "--max-new-tokens", "40", "--eval-questions", "64",
-                 "--eval-every", "50", "--sft-until", "0.6", "--seed", "1"],
+                 "--eval-every", "50", "--seed", "1"],
 }
 _long = {"dir": None, "procs": {}}
 

@@ -1,6 +1,7 @@
 """Tokens, masks and log-probs of real (tiny) Hugging Face models; rollouts on bad output."""
 import copy
 import functools
+import json
 import math
 import random
 import re
@@ -12,7 +13,7 @@ import helpers
 import mgrpo
 import tools
 import toy_tools
-import agents as agents_module
+import tiny_models
 from agents import Traj, prompt_ids
 from cold_start import encode_demo
 from sampling import collate, token_logprobs
@@ -20,7 +21,7 @@ from sampling import collate, token_logprobs
 
 @pytest.fixture(scope="module")
 def args():
-    return mgrpo.parse_args(["--sft-steps", "0"])
+    return mgrpo.parse_args(["--cold-start", "0"])
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +185,10 @@ def test_a_saved_chat_model_reads_the_ids_it_was_trained_on(tmp_path):
 
 
 def test_sft_bare_leaves_the_system_prompt_out_of_the_first_steps_only(monkeypatch):
-    """--sft-bare 0.5 over 4 steps: the first 2 steps' demos start bare (the template's default system
+    """A cold start with bare 0.5, over 4 steps: the first 2 steps' demos start bare (the template's default system
     prompt), the last 2 with the agent's own, which is what rollouts will see."""
     import cold_start
-    args = mgrpo.parse_args(["--chat", "--model-size", "0.1M", "--sft-batch", "2", "--sft-bare", "0.5",
+    args = mgrpo.parse_args(["--chat", "--model-size", "0.1M", "--cold-start", '{"batch": 2, "bare": 0.5}',
                              "--max-new-tokens", "40"])
     agent, seen, real = helpers.load_agent("", args, 0), [], cold_start.encode_demo
     monkeypatch.setattr(cold_start, "encode_demo", lambda a, msgs, kind: seen.append(real(a, msgs, kind)) or seen[-1])
@@ -198,8 +199,8 @@ def test_sft_bare_leaves_the_system_prompt_out_of_the_first_steps_only(monkeypat
 
 
 def test_the_cold_start_rate_rises_over_its_warmup_then_decays():
-    """sft_rate: a linear rise over --sft-warmup's share of the steps, then the cosine; with no warm-up,
-    the cosine alone (the schedule before it); with --sft-decay below 1, the full rate until the cosine
+    """sft_rate: a linear rise over the warm-up's share of the steps, then the cosine; with no warm-up,
+    the cosine alone (the schedule before it); with a decay below 1, the full rate until the cosine
     of the last steps."""
     import cold_start
     rate = [cold_start.sft_rate(i, 1200, 0.05) for i in range(1200)]
@@ -208,66 +209,15 @@ def test_the_cold_start_rate_rises_over_its_warmup_then_decays():
     assert rate[-1] < 1e-5
     assert [cold_start.sft_rate(i, 40, 0.0) for i in range(40)] == pytest.approx(
         [0.5 * (1 + math.cos(math.pi * i / 40)) for i in range(40)])
-    held = [cold_start.sft_rate(i, 1200, 0.05, 0.25) for i in range(1200)]  # --sft-decay 0.25: the last 300 steps
+    held = [cold_start.sft_rate(i, 1200, 0.05, 0.25) for i in range(1200)]  # decay 0.25: the last 300 steps
     assert held[:60] == pytest.approx([(i + 1) / 60 for i in range(60)]) and held[59:900] == [1.0] * 841
     assert held[900:] == pytest.approx([0.5 * (1 + math.cos(math.pi * i / 300)) for i in range(300)])
 
 
-def test_jittered_positions_skip_only_in_what_the_agent_reads_and_only_in_their_share_of_rows():
-    """--sft-jitter: in the chosen rows, a gap of one position before a token of mask 0 (prompt, tool
-    output) with probability 1/2, never before the agent's own tokens; the other rows, and every row
-    with share 0, keep the positions that rollouts use (from the attention mask, padding past the end)."""
-    import cold_start
-    attn = torch.ones(64, 40, dtype=torch.long)
-    attn[1::2, 30:] = 0  # right padding
-    mask = torch.zeros_like(attn)
-    mask[:, 12:18] = 1  # the agent's turn, between a prompt and a tool output
-    plain = (attn.cumsum(-1) - 1).clamp(min=0)
-    assert torch.equal(cold_start.jittered_positions(attn, mask, 0.0, torch.Generator().manual_seed(0)), plain)
-    pos = cold_start.jittered_positions(attn, mask, 1.0, torch.Generator().manual_seed(0))
-    step = pos[:, 1:] - pos[:, :-1]
-    real = attn[:, 1:].bool()
-    assert torch.all(step[real & (mask[:, 1:] == 1)] == 1)  # the agent's tokens keep their spacing
-    assert set(step[real & (mask[:, 1:] == 0)].tolist()) == {1, 2}  # what it reads skips ahead at random
-    assert 0.4 < (step[real & (mask[:, 1:] == 0)] == 2).float().mean() < 0.6
-    assert torch.all(step[~real] == 0)  # padding adds nothing
-    half = cold_start.jittered_positions(attn, mask, 0.5, torch.Generator().manual_seed(1))
-    moved = (half != plain).any(-1).float().mean()
-    assert 0.3 < moved < 0.7
-    assert torch.equal(half, cold_start.jittered_positions(attn, mask, 0.5, torch.Generator().manual_seed(1)))
-
-
-def test_token_logprobs_with_plain_positions_given_are_the_same(agents):
-    """token_logprobs(pos=...) scores as given; the positions rollouts use give the same log-probs, and
-    others do not."""
-    main, _ = agents
-    texts = ["country of ada ?", "country of friend of bo ? cork in midia ; bo lives cork"]
-    rows = [main.tok(t, add_special_tokens=False).input_ids for t in texts]
-    ids, attn, _, _ = collate([Traj(r, [1] * len(r), [0.0] * len(r)) for r in rows], main.pad_id, "cpu")
-    plain = (attn.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = token_logprobs(main.model, ids, attn)
-        same = token_logprobs(main.model, ids, attn, pos=plain)
-        moved = token_logprobs(main.model, ids, attn, pos=plain + (torch.arange(ids.shape[1]) > 3) * attn)
-    assert torch.allclose(ref, same, atol=1e-6)
-    assert not torch.allclose(ref[:, 5:], moved[:, 5:], atol=1e-3)
-
-
-def test_the_cold_start_trains_on_jittered_positions_only_when_asked(monkeypatch):
-    import cold_start
-    seen, real = [], cold_start.token_logprobs
-    monkeypatch.setattr(cold_start, "token_logprobs", lambda m, i, a, k, pos: seen.append(pos) or real(m, i, a, k, pos))
-    for share in (0.0, 1.0):
-        args = mgrpo.parse_args(["--model-size", "0.1M", "--sft-batch", "4", "--sft-jitter", str(share)])
-        cold_start.cold_start(helpers.load_agent("", args, 0), "sub", args, toy_tools, 0, 2)
-    assert seen[0] is None and seen[1] is None
-    assert all(p is not None and (p[:, 1:] - p[:, :-1]).max() == 2 for p in seen[2:]) and len(seen) == 4
-
-
 def test_the_cold_start_steps_at_that_rate(monkeypatch):
-    """The optimizer's learning rate at each of the cold start's steps is --sft-lr times sft_rate."""
+    """The optimizer's learning rate at each of the cold start's steps is its lr times sft_rate."""
     import cold_start
-    args = mgrpo.parse_args(["--model-size", "0.1M", "--sft-batch", "2", "--sft-lr", "1e-3", "--sft-warmup", "0.5"])
+    args = mgrpo.parse_args(["--model-size", "0.1M", "--cold-start", '{"batch": 2, "lr": 1e-3, "warmup": 0.5}'])
     agent, seen, real = helpers.load_agent("", args, 0), [], torch.optim.AdamW.step
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda opt: seen.append(opt.param_groups[0]["lr"]) or real(opt))
     cold_start.cold_start(agent, "sub", args, toy_tools, 0, 4)
@@ -277,12 +227,12 @@ def test_the_cold_start_steps_at_that_rate(monkeypatch):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_the_first_layer_attends_to_every_earlier_token_alike(chat):
-    """--uniform-first-layer (compare.py's stage 1s): the first layer's attention is the
+    """A cold start's uniform_first_layer: the first layer's attention is the
     mean over the tokens up to each one, for any tokens, and differs in the layer above; built
     without it, the first layer's attention depends on the tokens."""
     def attention(uniform, ids):
         argv = ["--model-size", "0.1M", "--chat" if chat else "--no-chat",
-                "--uniform-first-layer" if uniform else "--no-uniform-first-layer"]
+                "--cold-start", json.dumps({"uniform_first_layer": uniform})]
         model = helpers.load_agent("", mgrpo.parse_args(argv), seed=3).model
         model.set_attn_implementation("eager")  # sdpa returns no attention weights
         with torch.no_grad():
@@ -302,8 +252,8 @@ def test_the_uniform_first_layer_stays_so_through_training_saving_and_loading(tm
     or without the flag: its config.json says so."""
     import cold_start
     for chat in (False, True):
-        args = mgrpo.parse_args(["--model-size", "0.1M", "--sft-batch", "2", "--max-new-tokens", "40",
-                                 "--uniform-first-layer", "--chat" if chat else "--no-chat"])
+        args = mgrpo.parse_args(["--model-size", "0.1M", "--max-new-tokens", "40", "--chat" if chat else "--no-chat",
+                                 "--cold-start", '{"batch": 2, "uniform_first_layer": true}'])
         agent = helpers.load_agent("", args, seed=0)
         before = {k: v.clone() for k, v in agent.model.state_dict().items()}
         cold_start.cold_start(agent, "sub", args, toy_tools, 0, 2)
@@ -314,7 +264,7 @@ def test_the_uniform_first_layer_stays_so_through_training_saving_and_loading(tm
         assert {k for k in after if torch.equal(after[k], before[k])} == frozen
         agent.model.save_pretrained(tmp_path / str(chat))
         agent.tok.save_pretrained(tmp_path / str(chat))
-        loaded = helpers.load_agent(str(tmp_path / str(chat)), mgrpo.parse_args(["--no-uniform-first-layer"]))
+        loaded = helpers.load_agent(str(tmp_path / str(chat)), mgrpo.parse_args([]))
         trained = {id(p) for g in loaded.opt.param_groups for p in g["params"]}
         assert {k for k, p in loaded.model.named_parameters() if id(p) not in trained or not p.requires_grad} == frozen
 
@@ -333,4 +283,4 @@ def test_a_bad_uniform_first_layer_in_config_is_a_clear_error(tmp_path, args, ag
     model.config.uniform_first_layer = True
     del model.model.layers[0].self_attn.q_proj
     with pytest.raises(ValueError, match="uniform_first_layer"):
-        agents_module.freeze_uniform(model)
+        tiny_models.freeze_uniform(model)

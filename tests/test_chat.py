@@ -18,8 +18,8 @@ from agents import message_ids, prompt_ids
 from cold_start import encode_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN = ["--sft-steps", "0", "--questions-per-step", "2", "--group-size", "4", "--max-new-tokens", "40",
-       "--eval-questions", "4", "--eval-every", "0", "--peer-timeout", "120"]
+RUN = ["--cold-start", "0", "--questions-per-step", "2", "--group-size", "4", "--max-new-tokens", "40",
+       "--eval-questions", "4", "--eval-every", "0"]
 
 pytestmark = pytest.mark.slow  # every test here trains models or runs processes
 
@@ -164,7 +164,7 @@ def test_chat_training_one_process_trains_on_the_sampled_ids(chat_dir, tmp_path,
 
 def test_chat_two_processes(chat_dir, tmp_path):
     store = str(tmp_path / "store")
-    common = RUN + ["--steps", "2", "--store", store, "--run-id", "chat"]
+    common = RUN + ["--steps", "2", "--store", store]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen([sys.executable, "mgrpo.py", "--role", role, f"--{role}-model", chat_dir[role],
                                "--out", str(tmp_path / role)] + common,
@@ -187,10 +187,10 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path):
     """The GPU check's whole path on a CPU: build, cold start, the two-process run full and with
     LoRA, the samplers side by side (no graphs on a CPU), memory at a tiny shape, the report."""
     report = tmp_path / "report.md"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu",
                         "--size", "0.1M", "--steps", "2", "--sft-steps", "3", "--questions", "2", "--shape", "tiny",
                         "--out", str(tmp_path), "--report", str(report)], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "full: 2 steps in" in r.stdout and "lora: 2 steps in" in r.stdout and "main: training" in r.stdout
     res = json.load(open(tmp_path / "gpu_check.json"))
@@ -213,7 +213,7 @@ def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypa
     srv = toy_tools.make_server(0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
-    args = mgrpo.parse_args(["--sub-max-turns", "4", "--search-retries", "0"])
+    args = mgrpo.parse_args(["--sub-max-turns", "4"])
     agent = helpers.load_agent(chat_dir["sub"], args, seed=0)
     q = toy_tools.make_question(5, 1)
     search = tools.HttpSearch(url, retries=0)

@@ -1,5 +1,5 @@
-"""The paper's comparisons (scripts/compare.py): the paired-difference statistics by hand, and a
-very short version end to end."""
+"""The paper's comparisons (experiments/compare.py): the paired-difference statistics by hand, the
+reports' figures recomputed, and a very short version end to end."""
 import csv
 import os
 import signal
@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import compare  # noqa: E402
+from experiments import compare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def weights(path):
@@ -57,16 +58,42 @@ def test_falls_name_the_runs_that_dropped_below_their_start():
     assert "stage1seed1-seed1: 0.800 -> 0.610" not in text
 
 
-def test_recompute_reads_a_report_and_pools_stage1s(capsys):
-    """--recompute: the intervals over stage 1s from the per-seed figures of reports in docs/."""
-    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
-    arms, finals = compare.read_report(os.path.join(docs, "compare.md"))
-    assert arms == ["co-train", "main-only"] and sorted(finals) == [1, 2, 3]
-    assert finals[1]["co-train"] == {"sampled": [0.848, 0.855, 0.859], "greedy": 0.961}
-    assert finals[3]["main-only"] == {"sampled": [0.809, 0.809, 0.797], "greedy": 0.980}
-    compare.recompute([os.path.join(docs, "compare-single-seeds12.md"), os.path.join(docs, "compare-single-seeds345.md")])
+@pytest.mark.parametrize("report, row", [
+    ("paper.md", "| co-train > main-only | level 2, 5 stage 1s x 3 seeds | 0.750 vs 0.523 | +0.227 [-0.035, +0.488] | "
+                 "inconclusive |"),
+    ("unsync.md", "| sync > unsync | level 2, 5 stage 1s x 3 seeds | 0.743 vs 0.860 | -0.117 [-0.466, +0.232] | "
+                  "inconclusive |"),
+    ("single.md", "| co-train > single agent | level 3, 5 stage 1s x 3 seeds | 0.859 vs 0.952 | -0.093 [-0.139, -0.048] "
+                  "| reversed |")])
+def test_the_results_tables_rows_are_recomputed_from_their_reports(capsys, report, row):
+    """--recompute on each report of experiments/ gives the paired difference, interval and verdict that
+    the README's table and the experiments' index state, and the arms' means."""
+    path = os.path.join(ROOT, "experiments", report)
+    arms, finals = compare.read_report(path)
+    assert sorted(finals) == [1, 2, 3, 4, 5] and all(len(f[arm]["sampled"]) == 3 for f in finals.values() for arm in arms)
+    compare.recompute([path])
+    cells = row.split(" | ")
+    mean, lo, hi = cells[3].replace("[", "").replace("]", "").replace(",", "").split()
+    assert f"success at the end: **{mean}**, 95% t-interval over the 5 stage 1s [{lo}, {hi}]: **{cells[4]}**" in \
+        capsys.readouterr().out.splitlines()[1]
+    means = [f"{np.mean([x for f in finals.values() for x in f[arm]['sampled']]):.3f}" for arm in arms]
+    assert " vs ".join(means) == cells[2]
+    for index in ("README.md", os.path.join("experiments", "README.md")):
+        with open(os.path.join(ROOT, index)) as f:
+            assert row in f.read(), index
+
+
+def test_recompute_pools_the_stage1s_of_several_reports(tmp_path, capsys):
+    def finals(x):
+        return {"sampled": [x, x], "greedy": [1.0, 1.0], "start": [0.5] * 2, "greedy_start": [1.0] * 2}
+    arms = ["co-train", "main-only"]
+    for name, seeds in (("a", [1, 2]), ("b", [3])):
+        table = compare.tables({(arm, s): finals(0.9 + 0.01 * s if arm == "co-train" else 0.8) for arm in arms
+                                for s in seeds}, arms, seeds)
+        (tmp_path / f"{name}.md").write_text(table + "\n")
+    compare.recompute([str(tmp_path / "a.md"), str(tmp_path / "b.md")])
     out = capsys.readouterr().out
-    assert "stage 1s [1, 2, 3, 4, 5]" in out and "-0.004" in out and out.count("inconclusive") == 2
+    assert "stage 1s [1, 2, 3]" in out and "**+0.120**" in out and out.count("holds") == 1  # greedy: all equal
 
 
 def test_a_report_gives_each_arms_start_where_the_arms_start_from_different_stage1s(tmp_path):
@@ -87,12 +114,13 @@ def test_bad_options_fail_clearly(capsys):
     for argv, msg in [(["--resume"], "--resume needs the --out"),
                       (["--seeds", "1", "1"], "must not repeat"),
                       (["--stage2-steps", "0"], "--stage2-steps"),
-                      (["--sft-batch", "0"], "--sft-batch"),
-                      (["--sft-lr", "0"], "--sft-lr"),
-                      (["--sft-draws", "0"], "--sft-draws"),
-                      (["--sft-steps", "-1"], "--sft-steps"),
-                      (["--sft-warmup", "1.5"], "--sft-warmup is a share"),
-                      (["--sft-decay", "0"], "--sft-decay is a share"),
+                      (["--stage1-levels", "0"], "--stage1-levels >= 1"),
+                      (["--cold-start", '{"batch": 0}'], "--cold-start: steps must be >= -1, batch >= 1"),
+                      (["--cold-start", '{"lr": 0}'], "lr > 0"),
+                      (["--cold-start", '{"warmup": 1.5}'], "are shares"),
+                      (["--cold-start", '{"draws": 2}'], "unknown fields ['draws']"),
+                      (["--cold-start", '[1]'], "--cold-start: not a JSON object"),
+                      (["--cold-start", '{"steps": '], "--cold-start: Expecting value"),
                       (["--experiment", "other"], "invalid choice")]:
         with pytest.raises(SystemExit):
             compare.parse(argv)
@@ -102,24 +130,19 @@ def test_bad_options_fail_clearly(capsys):
 def test_each_experiment_has_its_own_stage1_and_options_override_it():
     paper, single = compare.parse([]), compare.parse(["--experiment", "single"])
     # stage 1 is the cold start alone unless asked (the paper's RL steps broke M's plan in some stage 1s)
-    assert (paper.sft_levels, paper.stage1_steps, paper.stage1_levels) == ("1,2,2", 0, "1,2")
-    assert (single.sft_levels, single.stage1_steps, single.stage1_levels) == ("1,2,3", 0, "1,2,3")
-    # the cold start's rounds, per kind of stage 1 (docs/stage1.md), whatever the experiment
-    for a in (paper, single):
-        assert compare.cold_start(a, "system") == ["--sft-steps", "1200", "--sft-batch", "64", "--sft-lr", "0.0015",
-                                                   "--sft-warmup", "0.05", "--sft-decay", "1.0", "--sft-draws", "1"]
-        assert compare.cold_start(a, "single") == ["--sft-steps", "2400", "--sft-batch", "32", "--sft-lr", "0.0015",
-                                                   "--sft-warmup", "0.05", "--sft-decay", "1.0",
-                                                   "--sft-draws", "1"]
+    assert (paper.stage1_steps, paper.stage1_levels, single.stage1_steps, single.stage1_levels) == (0, [1, 2], 0, [1, 2, 3])
+    # the cold start per kind of stage 1, whatever the experiment; the experiment's demo levels
+    for a, levels in ((paper, [1, 2, 2]), (single, [1, 2, 3])):
+        assert a.cold["system"] == {"levels": levels, "steps": 1200, "batch": 64, "lr": 1.5e-3, "warmup": 0.05,
+                                    "decay": 1.0, "until": 0.95, "uniform_first_layer": True}
+        assert a.cold["single"] == {**a.cold["system"], "steps": 2400, "batch": 32}
     assert paper.model_size == single.model_size == "0.4M"  # stage 1 builds 4-layer models
-    mine = compare.parse(["--experiment", "single", "--sft-steps", "10", "--stage1-steps", "5", "--sft-levels", "3",
-                          "--sft-batch", "8", "--sft-lr", "1e-3", "--sft-warmup", "0", "--sft-decay", "0.5",
-                          "--sft-draws", "3"])
-    assert (mine.sft_levels, mine.sft_steps, mine.stage1_steps, mine.stage1_levels) == ("3", 10, 5, "3")
+    mine = compare.parse(["--experiment", "single", "--stage1-steps", "5", "--stage1-levels", "3",
+                          "--cold-start", '{"steps": 10, "levels": [3], "until": 0}'])
+    assert (mine.stage1_steps, mine.stage1_levels) == (5, [3])
     for kind in ("system", "single"):
-        assert compare.cold_start(mine, kind) == ["--sft-steps", "10", "--sft-batch", "8", "--sft-lr", "0.001",
-                                                  "--sft-warmup", "0.0", "--sft-decay", "0.5", "--sft-draws", "3"]
-    assert compare.cold_start(compare.parse(["--sft-lr", "1e-3"]), "single")[-7] == "0.001"
+        assert mine.cold[kind] == {**single.cold[kind], "steps": 10, "levels": [3], "until": 0}
+    assert compare.parse(["--quick"]).cold["single"] == {**paper.cold["single"], "steps": 150, "until": 0.05}
     # five stage 1s by default; unsync's stage 2 is shorter unless asked
     assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (90, 90)
     assert compare.parse(["--experiment", "unsync"]).stage2_steps == 80
@@ -138,7 +161,7 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
     assert compare.main(argv + ["--stage1-only"]) == 2
     md = (out / "paper" / "stage1.md").read_text()
     assert md.startswith("# Stage 1s: 2 of 2 passed") and md.count("cold-start check passed after 1 round(s)") == 2
-    assert not (out / "paper" / "results.md").exists() and "--sft-until 0.05" in md
+    assert not (out / "paper" / "results.md").exists() and '"until": 0.05' in md
     capsys.readouterr()
     first = compare.main(argv + ["--resume"])
     assert capsys.readouterr().out.count("  reused ") == 2  # the stage 1s
@@ -152,8 +175,8 @@ def test_quick_comparison_end_to_end(tmp_path, capsys):
     for arm in ("co-train", "main-only"):
         assert f"| {arm} |" in md
     assert "Paired difference co-train - main-only" in md and "95% t-interval over the 2 stage 1s" in md
-    assert "--mode main-only" in md and "--sft-levels 1,2,2" in md  # every command is written down
-    assert md.count("--uniform-first-layer") == 2  # the stage 1s build their models with it
+    assert "--mode main-only" in md and '"levels": [1, 2, 2]' in md  # every command is written down
+    assert md.count('"uniform_first_layer": true') == 2  # the stage 1s build their models with it
     # stage 1's RL is guarded as stage 2's is (at clip 1.0 and no KL it broke M's level-2 plan), and its
     # KL reference is the cold start that the run made
     assert md.count("--steps 2 --eval-every 0 --seed 1 --grad-clip 0.1 --kl-coef 0.04") == 1
@@ -216,9 +239,8 @@ def live_children(pid):
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process table from /proc (Linux)")
 def test_runs_end_when_the_comparison_is_killed(tmp_path):
     """A killed compare.py (SIGKILL: no handler can run) leaves no run training on by itself."""
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compare.py")
-    p = subprocess.Popen([sys.executable, script, "--quick", "--out", str(tmp_path / "cmp")],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([sys.executable, "-m", "experiments.compare", "--quick", "--out", str(tmp_path / "cmp")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     log = tmp_path / "cmp" / "stage1-levels122-seed1-system" / "log.txt"
     try:
         deadline = time.time() + 120

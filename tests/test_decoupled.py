@@ -13,8 +13,8 @@ import pytest
 from store import FileStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN = ["--steps", "10", "--sft-steps", "0", "--questions-per-step", "4", "--group-size", "4",
-       "--eval-questions", "16", "--eval-every", "5", "--peer-timeout", "60"]
+RUN = ["--steps", "10", "--cold-start", "0", "--questions-per-step", "4", "--group-size", "4",
+       "--eval-questions", "16", "--eval-every", "5", ]
 
 pytestmark = pytest.mark.slow  # every test here trains models or runs processes
 
@@ -173,13 +173,13 @@ def test_lora_in_two_processes_equals_one_process(models, tmp_path):
 
 
 def test_unsync_is_equal_across_processes(reference, models, tmp_path):
-    """--unsync in one process and in two gives the same run (that S trains on exactly the step
+    """--mode unsync in one process and in two gives the same run (that S trains on exactly the step
     before's batch is checked in test_glue.py)."""
     both = str(tmp_path / "unsync-both")
-    subprocess.run(_cmd("--out", both, "--unsync", *models), check=True, stdout=subprocess.DEVNULL, timeout=400)
+    subprocess.run(_cmd("--out", both, "--mode", "unsync", *models), check=True, stdout=subprocess.DEVNULL, timeout=400)
     ref, un = _rows(reference), _rows(both)
     assert ref[0] == un[0]           # step 1: the same rollouts; S's first update is deferred
-    outs, _ = _two_processes(tmp_path, "unsync", "--unsync", *models)
+    outs, _ = _two_processes(tmp_path, "unsync", "--mode", "unsync", *models)
     assert _main_and_sub_rows(outs) == un
 
 

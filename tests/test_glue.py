@@ -12,6 +12,7 @@ import transformers
 
 import helpers
 import mgrpo
+import report
 import tools
 import toy_tools
 from agents import prompt_ids
@@ -44,7 +45,7 @@ TUTORIAL = Plan({0: [("answer", wrong)],
 
 @pytest.fixture(scope="module")
 def agents():
-    args = mgrpo.parse_args(["--sft-steps", "0", "--group-size", str(K), "--max-sub", str(D), "--main-max-turns", "6",
+    args = mgrpo.parse_args(["--cold-start", "0", "--group-size", str(K), "--max-sub", str(D), "--main-max-turns", "6",
                              "--questions-per-step", "1"])
     return args, helpers.load_agent("", args, seed=1), helpers.load_agent("", args, seed=2)
 
@@ -62,7 +63,7 @@ def test_the_worked_example_through_the_rollout_and_both_sides(agents, monkeypat
     mains, subs = scripted_rollout(agents, TUTORIAL, Q[:1], monkeypatch)
     assert [len(m.calls) for m in mains] == [0, 1, 2, 4] and len(subs) == 7
     assert [m.ok for m in mains] == [True, True, True, False]
-    r_main, adv_main, exchange, stats = mgrpo.main_side(mains, Q[:1], K, toy_tools, args.w_main_format)
+    r_main, adv_main, exchange, stats = mgrpo.main_side(mains, Q[:1], K, toy_tools)
     assert r_main.tolist() == pytest.approx([0.1, 1.0, 1.0, 0.0])                               # eq. 4
     assert adv_main.tolist() == pytest.approx([-0.8923, 0.9972, 0.9972, -1.1022], abs=1e-4)     # eq. 9-10
     assert [(e["rollout"], e["correct"], len(e["subs"])) for e in exchange] == [
@@ -89,7 +90,7 @@ def test_a_borrowed_or_duplicated_slot_carries_the_correctness_of_the_rollout_th
     correct = {0: True, 1: False, 2: True, 3: False}
     expert = {"city of cy": 0, "city of fay": 0}
     fmt = {"city of fay": False}
-    _, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, toy_tools, args.w_main_format)
+    _, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, toy_tools)
     for seed in range(20):  # many draws of the borrowed and dropped slots
         rng = random.Random(seed)
         batch, r_sub, adv_sub, _ = mgrpo.sub_side(subs, exchange, Q[:1], toy_tools, D, random.Random(seed), args.w_sub)
@@ -121,7 +122,7 @@ def test_groups_are_each_querys_K_rollouts_and_advantages_follow_the_batch(agent
     monkeypatch.setattr(toy_tools, "make_question", lambda seed, level: Q[seed % 2])  # the step's questions: Q
     seen = []
     monkeypatch.setattr(mgrpo, "update_agent", lambda agent, trajs, adv, a: seen.append((trajs, adv)) or {
-        "t_fwd": 0.0, "t_bwd": 0.0, "tokens": 1.0, **{k: 0.0 for k in mgrpo.UPDATE_STATS}})
+        "t_fwd": 0.0, "t_bwd": 0.0, "tokens": 1.0, **{k: 0.0 for k in report.UPDATE_STATS}})
     rng = random.Random(tools.stable_seed(args.seed, "questions", 1))
     order = [rng.randrange(2 ** 31) % 2 for _ in range(2)]
     assert order[0] != order[1], "pick a step whose two questions differ"
@@ -147,9 +148,9 @@ def test_groups_are_each_querys_K_rollouts_and_advantages_follow_the_batch(agent
 
 def test_reward_weights_reach_the_rewards(agents, monkeypatch):
     args = copy.deepcopy(agents[0])
-    args.w_main_format, args.w_sub = 0.3, (0.2, 0.3, 0.5)
+    args.w_sub = (0.2, 0.3, 0.5)
     mains, subs = scripted_rollout(agents, TUTORIAL, Q[:1], monkeypatch)
-    r_main, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, toy_tools, args.w_main_format)
+    r_main, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, toy_tools, w_format=0.3)
     assert r_main.tolist() == pytest.approx([0.3, 1.0, 1.0, 0.0])
     _, r_sub, _, _ = mgrpo.sub_side(subs, exchange, Q[:1], toy_tools, D, random.Random(0), args.w_sub)
     # slots as in the tutorial: (3,3) (3,0) right fact, M wrong; (1,0) (2,0) right, M right; (2,1) wrong fact
@@ -199,7 +200,7 @@ def _run_steps(agents, monkeypatch, steps, **opts):
 
 
 def test_unsync_trains_S_on_exactly_the_previous_steps_batch(agents, monkeypatch):
-    args, sub, updates, batches = _run_steps(agents, monkeypatch, 3, unsync=True)
+    args, sub, updates, batches = _run_steps(agents, monkeypatch, 3, mode="unsync")
     assert len(updates) == 2 and len(batches) == 3  # step 1 only keeps its batch; the last is never used
     for (_, _, trajs, adv), (prev_batch, _, prev_adv, _) in zip(updates, batches):
         assert trajs is prev_batch and torch.equal(adv, prev_adv)  # step t trains on step t-1's batch
@@ -226,7 +227,7 @@ def test_main_only_leaves_S_bit_identical(agents, monkeypatch):
 
 
 def test_single_agent_has_no_sub_agent(tmp_path):
-    s = mgrpo.main(["--mode", "single-agent", "--sft-steps", "5", "--steps", "2", "--questions-per-step", "2",
+    s = mgrpo.main(["--mode", "single-agent", "--cold-start", "5", "--steps", "2", "--questions-per-step", "2",
                     "--group-size", "2", "--eval-questions", "4", "--eval-every", "0", "--out", str(tmp_path)])
     assert s["params"] == sum(p.numel() for p in helpers.load_agent(str(tmp_path / "main"), mgrpo.parse_args([]),
                                                                      0).model.parameters())
@@ -244,7 +245,7 @@ def test_train_levels_mix_the_training_questions_and_evaluations_keep_level(tmp_
             made.append((seed >= mgrpo.EVAL_SEED, level))
         return real(seed, level)
     monkeypatch.setattr(toy_tools, "make_question", spy)
-    mgrpo.main(["--train-levels", "1,2,2", "--level", "1", "--sft-steps", "0", "--steps", "2", "--questions-per-step",
+    mgrpo.main(["--train-levels", "1", "2", "2", "--level", "1", "--cold-start", "0", "--steps", "2", "--questions-per-step",
                 "6", "--group-size", "2", "--eval-questions", "3", "--eval-every", "0", "--model-size", "0.1M",
                 "--out", str(tmp_path)])
     assert [level for held_out, level in made if not held_out] == [1, 2, 2, 1, 2, 2] * 2  # in turn, per step

@@ -34,7 +34,7 @@ def scripted(strings, sampled):
 @pytest.mark.slow
 @pytest.mark.parametrize("chat", [False, True])
 def test_fuzzed_turns_through_the_tool_loop_and_a_training_step(chat, monkeypatch):
-    args = mgrpo.parse_args(["--sft-steps", "0", "--main-max-turns", "4", "--sub-max-turns", "4",
+    args = mgrpo.parse_args(["--cold-start", "0", "--main-max-turns", "4", "--sub-max-turns", "4",
                              "--max-new-tokens", "64", "--questions-per-step", "4", "--group-size", "4"]
                             + (["--chat", "--model-size", "0.1M"] if chat else []))
     sub = helpers.load_agent("", args, seed=0)
@@ -68,7 +68,7 @@ def test_a_tool_that_raises_anything_is_an_observation(monkeypatch, capsys):
     class Broken(toy_tools.ToySearch):
         def search(self, query, seed, level):
             raise KeyError(query)
-    args = mgrpo.parse_args(["--sft-steps", "0"])
+    args = mgrpo.parse_args(["--cold-start", "0"])
     sub = helpers.load_agent("", args, seed=0)
     monkeypatch.setattr(mgrpo, "generate", scripted(["<search> ada </search>", "<return> avon </return>"], []))
     (t,) = mgrpo.run_sub_agents(sub, args, Broken(), ["city of ada"], [toy_tools.make_question(1, 1)], seed=0)

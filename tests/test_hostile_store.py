@@ -21,7 +21,7 @@ from sampling import token_logprobs
 from store import FileStore, StoreError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHORT = ["--steps", "3", "--sft-steps", "5", "--questions-per-step", "2", "--group-size", "2",
+SHORT = ["--steps", "3", "--cold-start", "5", "--questions-per-step", "2", "--group-size", "2",
          "--eval-questions", "4", "--eval-every", "0"]
 
 
@@ -115,7 +115,7 @@ def test_a_live_peer_that_never_progresses_is_named(tmp_path):
     fake_peer(st.dir, "sub", stop, beat=lambda n: {"count": n, "phase": 7})
     try:
         t0 = time.time()
-        with pytest.raises(StoreError, match=r"p000007-t0-results.*stays in phase 7.*--progress-timeout"):
+        with pytest.raises(StoreError, match=r"p000007-t0-results.*stays in phase 7.*the limit was 2 s: progress_timeout"):
             st.wait("p000007-t0-results")
         assert 1.5 <= time.time() - t0 < 6
     finally:
@@ -242,7 +242,7 @@ def test_a_non_finite_cold_start_stops_before_any_checkpoint(tmp_path, monkeypat
         return real(*a, **k) * (float("nan") if len(calls) == 3 else 1.0)
     monkeypatch.setattr(cold_start, "token_logprobs", diverging)
     with pytest.raises(FloatingPointError, match="cold start"):
-        mgrpo.main(SHORT + ["--sft-steps", "20", "--out", str(out)])
+        mgrpo.main(SHORT + ["--cold-start", "20", "--out", str(out)])
     assert checkpoints(str(out)) == []
 
 

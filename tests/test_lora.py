@@ -8,13 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import cold_start
 import helpers
 import mgrpo
 import toy_tools
 from agents import Traj, add_adapter, prompt_ids, share_base
 from sampling import collate, generate, token_logprobs
 
-CHAT = ["--chat", "--model-size", "0.1M", "--sft-steps", "0", "--max-new-tokens", "12", "--lora-rank", "4"]
+CHAT = ["--chat", "--model-size", "0.1M", "--cold-start", "0", "--max-new-tokens", "12", "--lora-rank", "4"]
 SHORT = ["--steps", "4", "--questions-per-step", "4", "--group-size", "4", "--eval-questions", "8",
          "--eval-every", "2", "--lora-rank", "4", "--lr", "3e-3"]
 
@@ -22,7 +23,7 @@ SHORT = ["--steps", "4", "--questions-per-step", "4", "--group-size", "4", "--ev
 def adapted(args, seed=0, name=""):
     """An agent with a LoRA adapter whose B matrices are random (peft starts them at 0, a no-op)."""
     agent = helpers.load_agent(name, args, seed)
-    add_adapter(agent, args, name or "built-in-test")
+    add_adapter(agent, args.lora_rank, name or "built-in-test")
     g = torch.Generator().manual_seed(seed)
     for n, p in agent.model.named_parameters():
         if "lora_B" in n:
@@ -90,10 +91,17 @@ def test_one_base_two_adapters_and_one_update_leaves_the_other_agent_alone(tmp_p
     other = {"main": adapted(args, 1, str(tmp_path)), "sub": adapted(args, 2)}  # another base
     with pytest.raises(ValueError, match="bases differ"):
         share_base(other)
+    # a run shares the base where both agents put adapters on one given base in one process, and only there
+    same = ["--main-model", str(tmp_path), "--sub-model", str(tmp_path), "--lora-rank", "4"]
+    two = {"main": None, "sub": None}
+    assert cold_start.one_base(mgrpo.parse_args(same), two)
+    assert not cold_start.one_base(mgrpo.parse_args(same), {"main": None})  # --role main: S is elsewhere
+    assert not cold_start.one_base(mgrpo.parse_args(same + ["--cold-start", "3"]), two)  # each base trained apart
+    assert not cold_start.one_base(mgrpo.parse_args(same[:2] + same[4:]), two)  # one given base, one built
+    assert not cold_start.one_base(mgrpo.parse_args(same[:-2]), two)  # no LoRA
     out = str(tmp_path / "run")  # and a run with it
-    mgrpo.main(["--main-model", str(tmp_path), "--sub-model", str(tmp_path), "--share-base", "--steps", "1",
-                "--questions-per-step", "2", "--group-size", "2", "--eval-questions", "2", "--eval-every", "0",
-                "--max-new-tokens", "12", "--lora-rank", "4", "--out", out])
+    mgrpo.main(same + ["--steps", "1", "--questions-per-step", "2", "--group-size", "2", "--eval-questions", "2",
+                       "--eval-every", "0", "--max-new-tokens", "12", "--out", out])
     assert os.path.isfile(os.path.join(out, "sub", "adapter_model.safetensors"))
 
 
@@ -108,7 +116,7 @@ def test_a_built_base_is_saved_and_the_final_adapters_load_with_peft_alone(tmp_p
     to <out>/base, which the adapters name: the final save loads with peft alone, the base unchanged."""
     from peft import AutoPeftModelForCausalLM
     out = str(tmp_path / "run")
-    mgrpo.main(["--steps", "1", "--sft-steps", "5", "--questions-per-step", "2", "--group-size", "2",
+    mgrpo.main(["--steps", "1", "--cold-start", "5", "--questions-per-step", "2", "--group-size", "2",
                 "--eval-questions", "2", "--eval-every", "0", "--lora-rank", "4", "--out", out])
     args = mgrpo.parse_args(["--lora-rank", "4"])
     for n in ("main", "sub"):
@@ -167,7 +175,7 @@ def test_the_start_up_estimate_counts_the_adapters_to_come():
     agent = helpers.load_agent("", args)
     full = memory_estimate(agent, 100, 4, reference=True)[0]
     before = memory_estimate(agent, 100, 4, reference=True, lora=4)[0]
-    add_adapter(agent, args, "built-in-test")
+    add_adapter(agent, args.lora_rank, "built-in-test")
     after = memory_estimate(agent, 100, 4, reference=True)[0]
     adapters = sum(p.numel() for p in agent.model.parameters() if p.requires_grad)
     assert before == after and after * 2 ** 30 == 4 * (sum(p.numel() for p in agent.model.parameters()) - adapters) \

@@ -17,7 +17,6 @@ import torch
 import checkpoints
 import helpers
 import mgrpo
-import run
 import store as store_module
 import toy_tools
 from checkpoints import load_checkpoint, save_checkpoint
@@ -229,7 +228,7 @@ def test_an_overwrite_cut_off_leaves_the_old_run_resumable(tmp_path, monkeypatch
 
     def cut(folder):
         raise Killed
-    monkeypatch.setattr(run, "clear_run", cut)
+    monkeypatch.setattr(checkpoints, "clear_run", cut)
     with pytest.raises(Killed):
         mgrpo.main(SHORT + ["--seed", "2", "--overwrite", "--out", str(out)])
     assert (out / "args.json").read_text() == old_args
@@ -313,7 +312,9 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_progress_timeout_is_finite_by_default_and_says_how_to_raise_it(tmp_path, monkeypatch):
-    assert mgrpo.parse_args([]).progress_timeout == -1  # auto
+    st = FileStore(str(tmp_path / "as-a-run-opens-it"), "r", "both")
+    assert st.progress_timeout == -1 and st.progress_limit() == FileStore.AUTO_FLOOR  # auto: finite
+    st.close()
     monkeypatch.setattr(FileStore, "AUTO_FLOOR", 1.5)
     st = FileStore(str(tmp_path), "r", "main", timeout=30.0)
     stop, phase = threading.Event(), [-1]
@@ -326,7 +327,7 @@ def test_the_progress_timeout_is_finite_by_default_and_says_how_to_raise_it(tmp_
         assert st.wait("p000000-t0-results") == ("p000000-t0-results", {"ok": 1})
         phase[0] = 7  # now in the schedule, and stuck
         t0 = time.time()
-        with pytest.raises(StoreError, match=r"p000007-t0-results.*stays in phase 7.*raise --progress-timeout"):
+        with pytest.raises(StoreError, match=r"p000007-t0-results.*stays in phase 7.*raise FileStore.AUTO_FLOOR"):
             st.wait("p000007-t0-results")
         assert 1.5 <= time.time() - t0 < 10
         st.enter_phase(0)

@@ -1,9 +1,9 @@
 """The stage-1 tier: the cold start that stands in for a pretrained model passes its check
-(--sft-until 0.95 on every demo level) within one retry, for each kind of stage 1 at the levels the
+(greedy success 0.95 on every demo level) within one retry, for each kind of stage 1 at the levels the
 comparisons use. A change that makes it a lottery again fails here.
 
-Whole stage 1s run as scripts/compare.py runs them, each for a seed whose stage 1 stalled in the
-runs of docs/stage1.md: the system's two before the cold start's learning rate warmed up, the
+Whole stage 1s run as experiments/compare.py runs them, each for a seed whose stage 1 stalled in
+earlier runs (experiments/stage1.md): the system's two before the cold start's learning rate warmed up, the
 single agent's (seed 1) before its first layer was made uniform, when both draws of each of its
 two rounds failed. The tier takes half an hour to an hour on 2 cores and runs only when asked for
 by name: `python -m pytest -q -m stage1 tests`."""
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMPARE = os.path.join(ROOT, "scripts", "compare.py")
+
 
 
 @pytest.mark.slow
@@ -27,7 +27,7 @@ COMPARE = os.path.join(ROOT, "scripts", "compare.py")
     ("single", "single-agent", 1),   # the single agent at level 3: blind to a fact at a few distances
 ])
 def test_a_stage1_passes_its_check_within_one_retry(tmp_path, experiment, arm, seed):
-    cmd = [sys.executable, COMPARE, "--experiment", experiment, "--arms", arm, "--stage1-only",
+    cmd = [sys.executable, "-m", "experiments.compare", "--experiment", experiment, "--arms", arm, "--stage1-only",
            "--stage1-seeds", str(seed), "--stage1-steps", "0", "--jobs", "1", "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

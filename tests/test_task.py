@@ -15,7 +15,7 @@ TASK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sum_task.py")
 
 @pytest.mark.slow
 def test_a_second_task_trains_through_the_interface(tmp_path):
-    summary = mgrpo.main(["--task", TASK, "--sft-steps", "200", "--sft-lr", "3e-3", "--steps", "5", "--eval-questions",
+    summary = mgrpo.main(["--task", TASK, "--cold-start", '{"steps": 200, "lr": 3e-3}', "--steps", "5", "--eval-questions",
                     "32", "--eval-every", "0", "--questions-per-step", "4", "--out", str(tmp_path)])
     task = run.load_task(TASK)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -21,13 +20,14 @@ import helpers
 import mgrpo
 import tools
 import toy_tools
-from agents import prompt_ids, word_tokenizer
+from agents import prompt_ids
+from tiny_models import word_tokenizer
 from checkpoints import checkpoints
 from cold_start import encode_demo
 
 TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "t_store", "t_update", "t_train_main", "t_train_sub", "t_gen_sub",
           "gen_tokens_per_s", "train_tokens_per_s")
-SHORT = ["--steps", "3", "--sft-steps", "20", "--sft-lr", "3e-3", "--questions-per-step", "4", "--group-size", "4",
+SHORT = ["--steps", "3", "--cold-start", '{"steps": 20, "lr": 3e-3}', "--questions-per-step", "4", "--group-size", "4",
          "--eval-questions", "16", "--eval-every", "2"]  # lr 3e-3: M delegates (and S trains) after 20 steps
 
 
@@ -87,21 +87,14 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
     assert "--loss-agg" in err and "--level" in err
     for argv, msg in [(["--mode", "solo"], "--mode must be"),
                       (["--mode", "single-agent", "--role", "main", "--store", "s"], "runs in one process"),
-                      (["--mode", "main-only", "--unsync"], "--unsync changes how S trains"),
-                      (["--sft-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
-                      (["--sft-levels", "1,x"], "--sft-levels and --train-levels must list levels"),
-                      (["--train-levels", "2,"], "--sft-levels and --train-levels must list levels"),
-                      (["--train-levels", "1,4"], "level must be 1, 2 or 3, got 4"),
-                      (["--sft-until", "1.5"], "--sft-decay are shares"),
-                      (["--sft-bare", "-0.1"], "--sft-decay are shares"),
-                      (["--sft-warmup", "2"], "--sft-decay are shares"),
-                      (["--sft-decay", "0"], "--sft-decay above 0"),
-                      (["--sft-weight-decay", "-0.1"], "--sft-weight-decay must be >= 0"),
-                      (["--sft-jitter", "-1"], "--sft-decay are shares"),
-                      (["--sft-draws", "0"], "--sft-draws, --eval-questions must be >= 1"),
+                      (["--cold-start", '{"levels": [1, 4]}'], "level must be 1, 2 or 3, got 4"),
+                      (["--train-levels", "2,"], "--train-levels: invalid int value: '2,'"),
+                      (["--train-levels", "1", "4"], "level must be 1, 2 or 3, got 4"),
+                      (["--train-levels", "0"], "--train-levels must be levels"),
+                      (["--clip-eps", "-0.1", "0.2"], "--clip-eps must be >= 0"),
                       (["--report-to", "mlflow"], "--report-to must be tensorboard or wandb"),
-                      (["--sft-until", "0.9", "--role", "sub", "--store", "s"], "it needs --role both"),
-                      (["--sft-until", "0.9", "--sft-steps", "0"], "it needs --sft-steps > 0")]:
+                      (["--cold-start", '{"until": 0.9}', "--role", "sub", "--store", "s"], "it needs --role both"),
+                      (["--cold-start", '{"until": 0.9, "steps": 0}'], "needs cold-start steps")]:
         with pytest.raises(SystemExit):
             mgrpo.parse_args(argv)
         assert msg in capsys.readouterr().err
@@ -113,28 +106,30 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
 
 
 def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_path, capsys, monkeypatch):
-    """--sft-until: greedy success per demo level, on held-out questions that evaluations never use,
-    after the cold start; below the bar, another --sft-steps on new demos from fresh weights, at most 3 times."""
+    """A check (until): greedy success per demo level, on held-out questions that evaluations never use,
+    after the cold start; below the bar, another round on new demos from fresh weights, at most 3 times."""
     calls, score = [], [0.0]
 
     def fake_evaluate(main, args, task, delegate, search, greedy=False, first=mgrpo.EVAL_SEED):
         calls.append((args.level, args.eval_questions, greedy, first))
         return score[0]
     monkeypatch.setattr(mgrpo, "evaluate", fake_evaluate)
-    base = ["--steps", "0", "--sft-steps", "5", "--model-size", "0.1M", "--sft-levels", "1,2", "--eval-questions", "8"]
-    summary = mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "never")])
+    base, cold = ["--steps", "0", "--model-size", "0.1M", "--eval-questions", "8"], {"steps": 5, "levels": [1, 2]}
+    check = ["--cold-start", json.dumps({**cold, "until": 0.9})]
+    summary = mgrpo.main(base + check + ["--out", str(tmp_path / "never")])
     out = capsys.readouterr().out
     assert out.count("from fresh weights), final loss") == 3 and out.count("cold-start check") == 4
     assert all(f"(round {r}, from fresh weights)" in out for r in (2, 3, 4))
-    assert out.count("below --sft-until: going on") == 3 and out.count("below --sft-until") == 4
-    assert "did not reach --sft-until" in out
+    assert out.count("below 0.9: going on") == 3 and out.count("below 0.9") == 4
+    assert "did not reach 0.9" in out
     assert summary["sft_check"] == {"passed": False, "rounds": 4, "greedy": {"1": 0.0, "2": 0.0}}
     checks = [c for c in calls if c[3] != mgrpo.EVAL_SEED]
     assert checks == [(1, 256, True, mgrpo.EVAL_SEED + 2 ** 30), (2, 256, True, mgrpo.EVAL_SEED + 2 ** 30)] * 4
     assert mgrpo.EVAL_SEED + 2 ** 30 >= mgrpo.EVAL_SEED + 256  # the check's questions are not eval's
     calls.clear()
     score[0] = 0.9
-    assert mgrpo.main(base + ["--sft-until", "0.9", "--out", str(tmp_path / "passes")])["sft_check"]["rounds"] == 1
+    assert mgrpo.main(base + check + ["--out", str(tmp_path / "passes")])["sft_check"]["rounds"] == 1
+    base += ["--cold-start", json.dumps(cold)]
     assert "sft_check" not in mgrpo.main(base + ["--out", str(tmp_path / "off")])
     out = capsys.readouterr().out
     assert "fresh weights" not in out
@@ -161,7 +156,7 @@ def test_a_round_after_a_failed_check_starts_from_fresh_weights(tmp_path, monkey
         ends.append((kind, {k: v.clone() for k, v in agent.model.state_dict().items()}))
         return loss
     monkeypatch.setattr(cold_start, "cold_start", recorded)
-    base = ["--steps", "0", "--sft-steps", "3", "--sft-batch", "2", "--model-size", "0.1M", "--sft-until", "0.9",
+    base = ["--steps", "0", "--cold-start", '{"steps": 3, "batch": 2, "until": 0.9}', "--model-size", "0.1M",
             "--eval-every", "0"]
     mgrpo.main(base + ["--out", str(tmp_path / "built")])
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
@@ -173,7 +168,7 @@ def test_a_round_after_a_failed_check_starts_from_fresh_weights(tmp_path, monkey
         assert same(w, w_new) and not same(w, ends[i - 2][1])  # new weights, not the last round's
     assert not same(starts[2][1], starts[0][1])  # a new draw, not the first round's init again
     # a given model: each round goes on from the weights the round before left
-    mgrpo.main(["--steps", "0", "--sft-steps", "1", "--model-size", "0.1M", "--out", str(tmp_path / "given")])
+    mgrpo.main(["--steps", "0", "--cold-start", "1", "--model-size", "0.1M", "--out", str(tmp_path / "given")])
     starts.clear()
     ends.clear()
     given = str(tmp_path / "given" / "main")
@@ -181,75 +176,24 @@ def test_a_round_after_a_failed_check_starts_from_fresh_weights(tmp_path, monkey
     assert len(starts) == 8 and all(same(starts[i][1], ends[i - 2][1]) for i in range(2, 8))
 
 
-def test_sft_draws_keep_the_draw_of_lowest_final_loss(monkeypatch):
-    """--sft-draws: each draw of an agent built here starts from random weights of its own (draw 0 from
-    the weights as they are) on demos of its own, and without a check the agent keeps the weights of the
-    draw whose final loss was lowest, whichever place it came in; a model given by path gets one draw."""
-    args = mgrpo.parse_args(["--mode", "single-agent", "--model-size", "0.1M", "--sft-batch", "2", "--sft-draws", "3"])
-    agent, starts, ends, seeds = helpers.load_agent("", args, 0), [], [], []
-    first, real = {k: v.clone() for k, v in agent.model.state_dict().items()}, cold_start.cold_start
-    fake = iter([0.5, 0.2, 0.9])
-
-    def recorded(agent, kind, args, task, seed, steps):
-        starts.append({k: v.clone() for k, v in agent.model.state_dict().items()})
-        real(agent, kind, args, task, seed, steps)
-        ends.append({k: v.clone() for k, v in agent.model.state_dict().items()})
-        seeds.append(seed)
-        return next(fake)
-    monkeypatch.setattr(cold_start, "cold_start", recorded)
-    kept = cold_start.cold_start_all({"main": agent}, {"main": 3}, args, toy_tools)
-    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
-    assert kept == (1, {"main": 0.2}) and len(starts) == 3 and len(set(seeds)) == 3
-    assert same(starts[0], first)
-    for d in (1, 2):
-        fresh = cold_start.build_model(agent.tok, "0.1M", False, tools.stable_seed(1, "init", "main", 0, "draw", d))
-        assert same(starts[d], fresh.state_dict())
-    assert same(agent.model.state_dict(), ends[1]) and not same(ends[1], ends[0])  # the second draw's weights
-    assert cold_start.draw_jobs({"main": 3, "sub": 0}, {"main": "a/path", "sub": ""}, args, 0).keys() == {("main", 0)}
-    assert cold_start.cold_start_all({"main": agent}, {"main": 0}, args, toy_tools) == (0, {})  # no steps, no draw
-
-
-def test_with_a_check_the_draw_of_best_check_is_kept(tmp_path, monkeypatch, capsys):
-    """--sft-until with --sft-draws: every draw is checked, and the round keeps the draw whose lowest level
-    is best (here the draw of highest loss), then by its sum; its check is the round's, and the round
-    fails when no draw passes: the next starts from fresh weights."""
-    args = mgrpo.parse_args(["--mode", "single-agent", "--model-size", "0.1M", "--sft-batch", "2", "--sft-draws", "3",
-                             "--sft-steps", "2", "--sft-levels", "1,2", "--sft-until", "0.9"])
-    agent, ends, real = helpers.load_agent("", args, 0), [], cold_start.cold_start
-    losses = iter([0.1, 0.5, 0.3] * 4)
-    checks = [{1: 1.0, 2: 0.5}, {1: 0.6, 2: 0.6}, {1: 0.7, 2: 0.4},  # round 1: draw 2 kept, fails
-              {1: 1.0, 2: 0.95}, {1: 1.0, 2: 0.9}, {1: 1.0, 2: 0.95}]  # round 2: 1 and 3 tie, 1 of lower loss
-
-    def recorded(agent, kind, args, task, seed, steps):
-        real(agent, kind, args, task, seed, steps)
-        ends.append({k: v.clone() for k, v in agent.model.state_dict().items()})
-        return next(losses)
-    monkeypatch.setattr(cold_start, "cold_start", recorded)
-    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
-    now = lambda: next(i for i, e in enumerate(ends) if same(e, agent.model.state_dict()))  # noqa: E731
-    cold_start.cold_start_checked({"main": agent}, args, toy_tools, str(tmp_path), 0, lambda lv: checks[now()][lv])
-    assert same(agent.model.state_dict(), ends[3]) and len(ends) == 6
-    assert json.loads((tmp_path / "sft_check.json").read_text()) == {"passed": True, "rounds": 2,
-                                                                      "greedy": {"1": 1.0, "2": 0.95}}
-    out = capsys.readouterr().out
-    assert "draw 2 of 3 kept" in out and "draw 1 of 3 kept" in out and "draw 3 of 3: final loss main 0.300" in out
-
-
 @pytest.mark.slow
-def test_draws_at_once_in_processes_keep_what_one_process_keeps(monkeypatch):
-    """On a CPU with cores to spare, draws run at once, each in a process of its own: the agent ends
-    with the weights and final loss that the same draws, one after another in this process, give."""
-    args = mgrpo.parse_args(["--mode", "single-agent", "--model-size", "0.1M", "--sft-batch", "2", "--sft-draws", "2"])
+def test_agents_cold_started_at_once_in_processes_end_as_in_one_process(monkeypatch):
+    """On a CPU with cores to spare, the agents' cold starts run at once, each in a process of its own:
+    each agent ends with the weights and final loss that the same cold starts, one after another in
+    this process, give."""
+    args = mgrpo.parse_args(["--model-size", "0.1M", "--cold-start", '{"batch": 2}'])
     torch.set_num_threads(1)  # as each process of the pool runs: the same sums, to float rounding
     kept = []
     for cores in (4, 1):
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
-        agent = helpers.load_agent("", args, 0)
-        _, losses = cold_start.cold_start_all({"main": agent}, {"main": 100}, args, toy_tools)
-        kept.append((losses, agent.model.state_dict()))
+        agents = {"main": helpers.load_agent("", args, 0), "sub": helpers.load_agent("", args, 1)}
+        losses = cold_start.cold_start_round(agents, {"main": 100, "sub": 100}, args, toy_tools)
+        kept.append((losses, {n: a.model.state_dict() for n, a in agents.items()}))
     (at_once, w_once), (in_turn, w_turn) = kept
-    assert at_once["main"] == pytest.approx(in_turn["main"], rel=1e-4)
-    assert all(torch.allclose(w_once[k], w_turn[k], atol=1e-4) for k in w_turn)
+    assert at_once == pytest.approx(in_turn, rel=1e-4) and set(at_once) == {"main", "sub"}
+    for n in ("main", "sub"):
+        assert all(torch.allclose(w_once[n][k], w_turn[n][k], atol=1e-4) for k in w_turn[n])
+    assert not torch.equal(w_once["main"]["lm_head.weight"], w_once["sub"]["lm_head.weight"])
 
 
 @pytest.mark.slow
@@ -257,17 +201,18 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
     """Each round of the cold start ends in a checkpoint: a run killed in round 3 resumes after round 2
     and ends with the weights and check of a run never killed (and with its RNG state: two RL steps)."""
     monkeypatch.setattr(mgrpo, "evaluate", lambda *a, **k: 0.0)  # the check never passes: four rounds
-    base = ["--steps", "2", "--sft-steps", "5", "--sft-batch", "4", "--model-size", "0.1M", "--sft-levels", "1,2",
-            "--eval-every", "0", "--questions-per-step", "2", "--group-size", "2", "--sft-until", "0.9"]
+    cold = {"steps": 5, "batch": 4, "levels": [1, 2]}
+    base = ["--steps", "2", "--model-size", "0.1M", "--eval-every", "0", "--questions-per-step", "2", "--group-size",
+            "2", "--cold-start", json.dumps({**cold, "until": 0.9})]
     whole = mgrpo.main(base + ["--out", str(tmp_path / "whole")])
-    real, rounds, kill = cold_start.cold_start_all, [], [True]
+    real, rounds, kill = cold_start.cold_start_round, [], [True]
 
-    def killed_once_in_round_3(agents, steps, args, task, more=0, score=None):
-        rounds.append(more)
-        if more == 2 and kill and kill.pop():
+    def killed_once_in_round_3(agents, steps, args, task, rnd=0):
+        rounds.append(rnd)
+        if rnd == 2 and kill and kill.pop():
             raise KeyboardInterrupt
-        return real(agents, steps, args, task, more, score)
-    monkeypatch.setattr(cold_start, "cold_start_all", killed_once_in_round_3)
+        return real(agents, steps, args, task, rnd)
+    monkeypatch.setattr(cold_start, "cold_start_round", killed_once_in_round_3)
     with pytest.raises(KeyboardInterrupt):
         mgrpo.main(base + ["--out", str(tmp_path / "cut")])
     assert rounds == [0, 1, 2]
@@ -280,9 +225,10 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
     for n in ("main", "sub"):
         a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / run / n).state_dict() for run in ("whole", "cut"))
         assert all(torch.equal(a[k], b[k]) for k in a)
-    # resumed without --sft-until: the two rounds behind it are its cold start
+    # resumed without a check: the two rounds behind it are its cold start
     rounds.clear()
-    assert "sft_check" not in mgrpo.main(base[:-2] + ["--out", str(tmp_path / "cut-then-no-check"), "--resume"])
+    unchecked = base[:-1] + [json.dumps(cold)]
+    assert "sft_check" not in mgrpo.main(unchecked + ["--out", str(tmp_path / "cut-then-no-check"), "--resume"])
     assert rounds == []
 
 
@@ -290,7 +236,7 @@ def test_a_cold_start_cut_off_between_rounds_resumes_after_its_last_round(tmp_pa
 def test_a_fresh_run_in_a_used_folder_keeps_its_own_checkpoints(tmp_path):
     """With --overwrite, an earlier run's checkpoints in the folder go: the fresh run's are never pruned
     as older than them (a later --resume would continue the earlier run)."""
-    base = ["--sft-steps", "2", "--sft-batch", "4", "--model-size", "0.1M", "--eval-every", "0",
+    base = ["--cold-start", '{"steps": 2, "batch": 4}', "--model-size", "0.1M", "--eval-every", "0",
             "--questions-per-step", "2", "--group-size", "2"]
     mgrpo.main(base + ["--steps", "4", "--out", str(tmp_path / "used")])
     for folder in ("used", "empty"):
@@ -302,7 +248,7 @@ def test_a_fresh_run_in_a_used_folder_keeps_its_own_checkpoints(tmp_path):
 def test_single_agent_keeps_every_search_result_in_its_own_context(cold_start_dir):
     """The single-agent baseline searches for itself: each search's eight level-2 snippets
     enter its own context with mask 0 (the cold-started sub-agent stands in: it searches)."""
-    args = mgrpo.parse_args(["--mode", "single-agent", "--level", "2", "--sft-steps", "0"])
+    args = mgrpo.parse_args(["--mode", "single-agent", "--level", "2", "--cold-start", "0"])
     agent = helpers.load_agent(cold_start_dir["sub"], args, seed=0)
     qs = [toy_tools.make_question(s, 2) for s in range(4)]
     trajs, subs = mgrpo.rollout(agent, qs, 2, args, 0, search=toy_tools.ToySearch())
@@ -323,7 +269,7 @@ def test_failed_search_is_an_observation_not_a_crash(cold_start_dir):
     class Down:
         def search(self, query, seed, level):
             raise tools.SearchError("search server http://x answered 503: busy (after 3 tries)")
-    args = mgrpo.parse_args(["--sft-steps", "0"])
+    args = mgrpo.parse_args(["--cold-start", "0"])
     sub = helpers.load_agent(cold_start_dir["sub"], args, seed=0)
     qs = [toy_tools.make_question(s, 1) for s in range(4)]
     trajs = mgrpo.run_sub_agents(sub, args, Down(), [f"city of {q.text.split()[-2]}" for q in qs], qs, seed=0)
@@ -370,7 +316,7 @@ def test_down_search_server_is_a_clear_error(tmp_path):
 
 def test_success_rises(cold_start_dir, tmp_path):
     """M-GRPO from the saved cold start, loaded by path: sampled success goes up."""
-    s = mgrpo.main(["--main-model", cold_start_dir["main"], "--sub-model", cold_start_dir["sub"], "--sft-steps", "0",
+    s = mgrpo.main(["--main-model", cold_start_dir["main"], "--sub-model", cold_start_dir["sub"], "--cold-start", "0",
                     "--steps", "60", "--eval-questions", "128", "--eval-every", "0", "--out", str(tmp_path)])
     assert s["eval_success_end"] >= s["eval_success_start"] + 0.1, s
     rows = metrics(tmp_path)
@@ -378,221 +324,10 @@ def test_success_rises(cold_start_dir, tmp_path):
     assert sum(r["main_reward"] for r in last) > sum(r["main_reward"] for r in first)
 
 
-@pytest.mark.slow
-def test_bench_script_runs():
-    import subprocess
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench.py")
-    r = subprocess.run([sys.executable, bench, "--sizes", "0.1M", "--steps", "1", "--sft-steps", "2"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "0.1M" in r.stdout.splitlines()[-1]
-
-
-def test_bench_generate_script_runs(tmp_path):
-    """The replay benchmark records a step, replays it, and counts prefilled tokens: never fewer than
-    the floor it prints."""
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_generate.py")
-    r = subprocess.run([sys.executable, bench, "--model-size", "0.1M", "--sft-steps", "2", "--steps", "1", "--rounds",
-                        "1", "--repeat", "1", "--methods", "before", "mgrpo", "--folder", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
-    rows = {line.split()[0]: line.split() for line in lines[-3:-1]}
-    floor = float(lines[-1].split(": ")[1].split()[0])
-    assert set(rows) == {"before", "mgrpo"} and floor > 0
-    assert all(float(row[-1]) >= floor for row in rows.values())
-
-
-def test_bench_scoring_script_runs():
-    """The scoring benchmark's rows: each agent kind, its prompt shared by every row, two timings."""
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_scoring.py")
-    r = subprocess.run([sys.executable, bench, "--model-size", "0.1M", "--batches", "3", "--repeat", "1"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = [line.split() for line in r.stdout.splitlines()[-2:]]
-    assert [row[:2] for row in rows] == [["main", "3"], ["sub", "3"]]
-    assert all(int(row[4]) > 250 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows)  # the system prompt, shared
-
-
-@pytest.mark.slow
-def test_sub_probe_script_runs():
-    import subprocess
-    import sys
-    probe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "sub_probe.py")
-    r = subprocess.run([sys.executable, probe, "--sft-steps", "2", "--sft-levels", "1,2"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
-    i = lines.index("sub-agent, expert score greedy / sampled:")
-    assert [line.split(":")[0] for line in lines[i + 1:]] == [
-        "  level 1", "  level 2", "  level 3",
-        "sub-agent's greedy misses by the place of the asked fact in its result list (0", "  level 1", "  level 2",
-        "  level 3", "sub-agent, level 2's facts about a person read (greedy), by how many facts back they stand",
-        "  friend, list of 8", "  friend, list of 12", "  friend, the head that attends most to the value, list of 8",
-        "  city, list of 8", "  city, list of 12", "  city, the head that attends most to the value, list of 8",
-        "main agent with a perfect sub-agent, success greedy / sampled", "  level 1", "  level 2", "  level 3"]
-    for line in lines[i + 5:i + 8]:  # misses by place: none, or place: count pairs whose places are in a list
-        places = line.split(": ", 1)[1]
-        assert places == "none" or all(-1 <= int(p) < 12 and int(n) > 0 for p, n in
-                                        (pair.split(": ") for pair in places.split(", ")))
-    assert lines[i + 2].startswith("  level 2: friend ") and lines[i + 3].startswith("  level 3: friend1 0")
-    for line in lines[-3:]:  # M with a perfect S: two shares in [0, 1]
-        assert all(0 <= float(x) <= 1 for x in line.split(":")[1].split("/"))
-    for line in lines[i + 1:i + 4]:  # S's share of first searches for its sub-task's own entity
-        assert 0 <= float(line.rsplit(": ", 1)[1].rstrip(")")) <= 1
-    # the single agent: every one of the 200 questions per level is right, or sorted by its first wrong search
-    r = subprocess.run([sys.executable, probe, "--mode", "single-agent", "--sft-steps", "2", "--main-max-turns", "5"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
-    levels = [line for line in lines if line.startswith("  level ")]
-    for level, line in zip((1, 2, 3), levels):
-        head, counts = line.split(": ", 1)
-        kinds = dict(c.rsplit(" ", 1) for c in counts.split(", "))
-        assert head == f"  level {level}" and sum(map(int, kinds.values())) == 200
-        assert set(kinds) <= {"right", "other"} | {f"search {i} asks for a wrong entity" for i in range(1, level + 2)}
-    for line in lines:  # each wrong first search: the places of the facts misread, each in its list
-        if line.startswith("    search "):
-            assert all(-1 <= int(p.split()[0]) < 12 for p in line.split("stood at places ")[1][:-12].split(", "))
-    # the friend fact read, per distance back: k = 1 to the list's length, each a share; then per k
-    # the head (layer.head of the 0.2M model's 2 layers of 8 heads) that attends most to the value
-    for (rel, length), line in zip([(r, n) for r in ("friend", "city") for n in (8, 12, 0)], lines[-6:]):
-        head, reads = line.split(": ", 1)
-        reads = [r.split() for r in reads.split(", ")]
-        heads = "the head that attends most to the value, list of 8"
-        assert head == f"  {rel}, " + (f"list of {length}" if length else heads)
-        assert [int(r[0]) for r in reads] == list(range(1, (length or 8) + 1))
-        assert all(0 <= float(r[-1]) <= 1 for r in reads)
-        assert length or all(int(r[1].split(".")[0]) < 2 and int(r[1].split(".")[1]) < 8 for r in reads)
-
-
-def test_sub_probe_reads_the_first_search_of_either_format():
-    from types import SimpleNamespace
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    import sub_probe
-    from agents import Traj
-    agent = SimpleNamespace(tok=SimpleNamespace(decode=lambda ids: ids))
-    first = [sub_probe.first_search(agent, Traj(text, [], [])) for text in (
-        "<user> city of bo <search> bo </search> <tool> x <search> cy </search>",
-        '<tool_call>\n{"name": "search", "arguments": {"query": "zed"}}\n</tool_call> "query": "ada"',
-        "<return> avon </return>")]
-    assert first == ["bo", "zed", None]
-
-
-def test_sub_probe_gives_a_given_model_no_cold_start_unless_asked(tmp_path, monkeypatch):
-    """sub_probe reads --sft-steps as mgrpo.py does: -1 trains a model built here 600 steps and a
-    stage 1 given by path none, so probing a checkpoint never changes it first."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    import sub_probe
-    agent = helpers.load_agent("", mgrpo.parse_args([]), seed=0)
-    agent.model.save_pretrained(tmp_path / "main")
-    agent.tok.save_pretrained(tmp_path / "main")
-    asked = []
-
-    def stop(agents, steps, args, task, more=0, score=None):
-        asked.append(dict(steps))
-        raise KeyboardInterrupt  # what follows the cold start is not under test here
-
-    monkeypatch.setattr(cold_start, "cold_start_all", stop)
-    for argv in (["--main-model", str(tmp_path / "main")], ["--main-model", str(tmp_path / "main"), "--sft-steps", "7"],
-                 ["--mode", "single-agent", "--main-model", str(tmp_path / "main")]):
-        with pytest.raises(KeyboardInterrupt):
-            sub_probe.main(argv)
-    assert asked == [{"main": 0, "sub": 600}, {"main": 7, "sub": 7}, {"main": 0}]
-
-
-def test_first_errors_names_each_rollouts_first_mistake():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    import first_errors
-    from types import SimpleNamespace
-    from agents import Traj
-    q = toy_tools.make_question(5, 2)  # country of friend of X: three hops
-    kb, x = toy_tools.knowledge_base(q.seed, 2), q.text.split()[-2]
-    friend, city = kb[("friend", x)], kb[("city", kb[("friend", x)])]
-    chain = [f"friend of {x}", f"city of {friend}", f"country of {city}"]
-    right = [Traj([], [], [], task=chain[0], result=friend), Traj([], [], [], task=chain[1], result=city),
-             Traj([], [], [], task=chain[2], result=q.answer)]
-    wrong_value = next(p for p in toy_tools.PERSONS if p != friend)
-
-    def system(subs, n=3):
-        return first_errors.system_error(q, chain, Traj([], [], [], calls=list(range(n))), subs)
-    assert system(right, 2) == "M answered after 2 calls"
-    assert system([right[0], Traj([], [], [], task=f"city of {wrong_value}", result=city), right[2]]) == \
-        "M wrote sub-task 2 wrong"
-    assert system([Traj([], [], [], task=chain[0], result=wrong_value), *right[1:]]) == "S misread hop 1"
-    assert system(right) == "M's answer is not the value S returned"
-    agent = SimpleNamespace(tok=SimpleNamespace(decode=lambda ids: ids))
-    searches = [f"<search> {e} </search> <tool> ..." for e in (x, friend, city)]
-    assert first_errors.single_error(agent, chain, Traj(" ".join(searches[:1]), [], [])) == "answered after 1 searches"
-    assert first_errors.single_error(agent, chain, Traj(f"{searches[0]} <search> {wrong_value} </search>", [], [])) \
-        == "search 2 for a wrong entity"
-    assert first_errors.single_error(agent, chain, Traj(" ".join(searches), [], [])) == \
-        "answer wrong after every search right"
-
-
-def test_first_errors_reproduces_the_runs_evaluation(cold_start_dir, capsys, monkeypatch):
-    """The script samples the very rollouts of mgrpo.evaluate (same questions, seeds, token ids), so
-    its success is the run's; and it counts every question once."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    import first_errors
-    argv = ["--level", "1", "--sft-steps", "0", "--eval-questions", "24", "--main-model", cold_start_dir["main"],
-            "--sub-model", cold_start_dir["sub"]]
-    rollouts, rollout = [], mgrpo.rollout
-
-    def spy(*a, **kw):
-        out = rollout(*a, **kw)
-        rollouts.append([t.ids for t in out[0]] + [t.ids for t in out[1]])
-        return out
-    monkeypatch.setattr(mgrpo, "rollout", spy)
-    first_errors.main(argv)
-    lines, theirs = capsys.readouterr().out.splitlines(), rollouts[:]
-    rollouts.clear()
-    args = mgrpo.parse_args(argv)
-    main_agent = helpers.load_agent(args.main_model, args, seed=0)
-    sub = helpers.load_agent(args.sub_model, args, seed=1)
-    delegate = lambda *a: mgrpo.run_sub_agents(sub, args, toy_tools.ToySearch(), *a)  # noqa: E731
-    for line, greedy in zip(lines, (False, True)):
-        success = mgrpo.evaluate(main_agent, args, toy_tools, delegate, None, greedy)
-        assert line.startswith(f"{'greedy' if greedy else 'sampled'}: success {success:.3f}")
-    assert len(theirs) == 2 and theirs == rollouts  # sampled, then greedy: token for token
-    for line in lines:
-        right = round(float(line.split("success ")[1].split(";")[0]) * 24)
-        mistakes = re.findall(r" (\d+)(?:,|$)", line.split("first mistakes: ")[1])
-        assert right + sum(map(int, mistakes)) == 24, line
-
-
-def test_answer_margin_reads_where_m_answers(cold_start_dir, capsys):
-    """Cut before each greedy answer, the context's next token is <answer> for the M that ran: its
-    margin over <call> is never below 0, and another M is read at the very same places."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    import answer_margin
-    argv = ["--level", "1", "--sft-steps", "0", "--eval-questions", "16", "--main-model", cold_start_dir["main"],
-            "--sub-model", cold_start_dir["sub"], "--compare", cold_start_dir["main"]]
-    contexts = answer_margin.main(argv)
-    out = capsys.readouterr().out.splitlines()
-    assert contexts and out[0].startswith(f"{len(contexts)} of 16 questions answered")
-    assert all(c[-1] == contexts[0][-1] for c in contexts)  # each ends where M's turn begins
-    mine, again = out[1].split(": ", 1)[1], out[2].split(": ", 1)[1]
-    assert mine == again and f"below 0 at 0 of {len(contexts)}" in mine
-    agent = helpers.load_agent(cold_start_dir["main"], mgrpo.parse_args(argv[:-2]), seed=0)
-    ids = agent.tok.convert_tokens_to_ids(["<answer>", "<call>"])
-    got = answer_margin.margins(agent, contexts, *ids)
-    assert (got >= 0).all() and (answer_margin.margins(agent, contexts, *ids[::-1]) == -got).all()
-    from sampling import token_logprobs  # the training path: the next token of each context, one per row
-    with torch.no_grad():
-        last = [[float(token_logprobs(agent.model, torch.tensor([c + [t]]), torch.ones(1, len(c) + 1,
-                                                                                       dtype=torch.long))[0, -1])
-                 for t in ids] for c in contexts[:4]]
-    assert all(abs(g - (a - b)) < 1e-4 for g, (a, b) in zip(got, last)) and len(last) > 0
-    with pytest.raises(SystemExit):
-        answer_margin.main(["--main-model", cold_start_dir["main"]])  # no sub-agent to run
-
-
 def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, monkeypatch):
     """--dtype bfloat16 (autocast), gradient checkpointing, micro-batches and the KL to a
     frozen reference together; a crash in step 3, then a resume that must find the same reference."""
-    opts = ["--main-model", cold_start_dir["main"], "--sub-model", cold_start_dir["sub"], "--sft-steps", "0",
+    opts = ["--main-model", cold_start_dir["main"], "--sub-model", cold_start_dir["sub"], "--cold-start", "0",
             "--questions-per-step", "4", "--group-size", "4", "--eval-questions", "8", "--eval-every", "0",
             "--dtype", "bfloat16", "--grad-checkpointing", "--micro-batch", "8", "--kl-coef", "0.05",
             "--steps", "3", "--lr", "3e-3", "--out", str(tmp_path)]
@@ -673,7 +408,7 @@ def test_a_killed_run_takes_its_cold_start_workers_with_it(tmp_path):
     """The two agents' cold starts run in worker processes; killed midway, a run leaves none of
     them training on (they watch their parent)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "mgrpo.py", "--sft-steps", "100000", "--steps", "0", "--model-size", "0.1M", "--out", str(tmp_path)]
+    cmd = [sys.executable, "mgrpo.py", "--cold-start", "100000", "--steps", "0", "--model-size", "0.1M", "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120

@@ -1,0 +1,43 @@
+"""The benchmarks (benchmarks/) run, and their figures have the shape they print."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(module, *argv):
+    """python -m benchmarks.<module> argv, from the repository's root."""
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *argv], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_bench_script_runs():
+    r = bench("bench", "--sizes", "0.1M", "--steps", "1", "--sft-steps", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "0.1M" in r.stdout.splitlines()[-1]
+
+
+def test_bench_generate_script_runs(tmp_path):
+    """The replay benchmark records a step, replays it, and counts prefilled tokens: never fewer than
+    the floor it prints."""
+    r = bench("bench_generate", "--model-size", "0.1M", "--sft-steps", "2", "--steps", "1", "--rounds", "1",
+              "--repeat", "1", "--methods", "before", "mgrpo", "--folder", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[-3:-1]}
+    floor = float(lines[-1].split(": ")[1].split()[0])
+    assert set(rows) == {"before", "mgrpo"} and floor > 0
+    assert all(float(row[-1]) >= floor for row in rows.values())
+
+
+def test_bench_scoring_script_runs():
+    """The scoring benchmark's rows: each agent kind, its prompt shared by every row, two timings."""
+    r = bench("bench_scoring", "--model-size", "0.1M", "--batches", "3", "--repeat", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines()[-2:]]
+    assert [row[:2] for row in rows] == [["main", "3"], ["sub", "3"]]
+    assert all(int(row[4]) > 250 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows)  # the system prompt, shared

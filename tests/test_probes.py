@@ -1,0 +1,182 @@
+"""The probes of experiments/ (sub_probe, first_errors, answer_margin): what they read, on hand-made
+trajectories and on the cold-started agents."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cold_start
+import helpers
+import mgrpo
+import toy_tools
+from experiments import answer_margin, first_errors, sub_probe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def probe(*argv):
+    """python -m experiments.sub_probe argv, from the repository's root."""
+    return subprocess.run([sys.executable, "-m", "experiments.sub_probe", *argv], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_sub_probe_script_runs():
+    r = probe("--cold-start", '{"steps": 2, "levels": [1, 2]}')
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    i = lines.index("sub-agent, expert score greedy / sampled:")
+    assert [line.split(":")[0] for line in lines[i + 1:]] == [
+        "  level 1", "  level 2", "  level 3",
+        "sub-agent's greedy misses by the place of the asked fact in its result list (0", "  level 1", "  level 2",
+        "  level 3", "sub-agent, level 2's facts about a person read (greedy), by how many facts back they stand",
+        "  friend, list of 8", "  friend, list of 12", "  friend, the head that attends most to the value, list of 8",
+        "  city, list of 8", "  city, list of 12", "  city, the head that attends most to the value, list of 8",
+        "main agent with a perfect sub-agent, success greedy / sampled", "  level 1", "  level 2", "  level 3"]
+    for line in lines[i + 5:i + 8]:  # misses by place: none, or place: count pairs whose places are in a list
+        places = line.split(": ", 1)[1]
+        assert places == "none" or all(-1 <= int(p) < 12 and int(n) > 0 for p, n in
+                                        (pair.split(": ") for pair in places.split(", ")))
+    assert lines[i + 2].startswith("  level 2: friend ") and lines[i + 3].startswith("  level 3: friend1 0")
+    for line in lines[-3:]:  # M with a perfect S: two shares in [0, 1]
+        assert all(0 <= float(x) <= 1 for x in line.split(":")[1].split("/"))
+    for line in lines[i + 1:i + 4]:  # S's share of first searches for its sub-task's own entity
+        assert 0 <= float(line.rsplit(": ", 1)[1].rstrip(")")) <= 1
+    # the single agent: every one of the 200 questions per level is right, or sorted by its first wrong search
+    r = probe("--mode", "single-agent", "--cold-start", "2", "--main-max-turns", "5")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    levels = [line for line in lines if line.startswith("  level ")]
+    for level, line in zip((1, 2, 3), levels):
+        head, counts = line.split(": ", 1)
+        kinds = dict(c.rsplit(" ", 1) for c in counts.split(", "))
+        assert head == f"  level {level}" and sum(map(int, kinds.values())) == 200
+        assert set(kinds) <= {"right", "other"} | {f"search {i} asks for a wrong entity" for i in range(1, level + 2)}
+    for line in lines:  # each wrong first search: the places of the facts misread, each in its list
+        if line.startswith("    search "):
+            assert all(-1 <= int(p.split()[0]) < 12 for p in line.split("stood at places ")[1][:-12].split(", "))
+    # the friend fact read, per distance back: k = 1 to the list's length, each a share; then per k
+    # the head (layer.head of the 0.2M model's 2 layers of 8 heads) that attends most to the value
+    for (rel, length), line in zip([(r, n) for r in ("friend", "city") for n in (8, 12, 0)], lines[-6:]):
+        head, reads = line.split(": ", 1)
+        reads = [r.split() for r in reads.split(", ")]
+        heads = "the head that attends most to the value, list of 8"
+        assert head == f"  {rel}, " + (f"list of {length}" if length else heads)
+        assert [int(r[0]) for r in reads] == list(range(1, (length or 8) + 1))
+        assert all(0 <= float(r[-1]) <= 1 for r in reads)
+        assert length or all(int(r[1].split(".")[0]) < 2 and int(r[1].split(".")[1]) < 8 for r in reads)
+
+
+def test_sub_probe_reads_the_first_search_of_either_format():
+    from types import SimpleNamespace
+    from agents import Traj
+    agent = SimpleNamespace(tok=SimpleNamespace(decode=lambda ids: ids))
+    first = [sub_probe.first_search(agent, Traj(text, [], [])) for text in (
+        "<user> city of bo <search> bo </search> <tool> x <search> cy </search>",
+        '<tool_call>\n{"name": "search", "arguments": {"query": "zed"}}\n</tool_call> "query": "ada"',
+        "<return> avon </return>")]
+    assert first == ["bo", "zed", None]
+
+
+def test_sub_probe_gives_a_given_model_no_cold_start_unless_asked(tmp_path, monkeypatch):
+    """sub_probe reads --cold-start as mgrpo.py does: by default a model built here gets 600 steps and
+    a stage 1 given by path none, so probing a checkpoint never changes it first."""
+    agent = helpers.load_agent("", mgrpo.parse_args([]), seed=0)
+    agent.model.save_pretrained(tmp_path / "main")
+    agent.tok.save_pretrained(tmp_path / "main")
+    asked = []
+
+    def stop(agents, steps, args, task, rnd=0):
+        asked.append(dict(steps))
+        raise KeyboardInterrupt  # what follows the cold start is not under test here
+
+    monkeypatch.setattr(cold_start, "cold_start_round", stop)
+    for argv in (["--main-model", str(tmp_path / "main")], ["--main-model", str(tmp_path / "main"), "--cold-start", "7"],
+                 ["--mode", "single-agent", "--main-model", str(tmp_path / "main")]):
+        with pytest.raises(KeyboardInterrupt):
+            sub_probe.main(argv)
+    assert asked == [{"main": 0, "sub": 600}, {"main": 7, "sub": 7}, {"main": 0}]
+
+
+def test_first_errors_names_each_rollouts_first_mistake():
+    from types import SimpleNamespace
+    from agents import Traj
+    q = toy_tools.make_question(5, 2)  # country of friend of X: three hops
+    kb, x = toy_tools.knowledge_base(q.seed, 2), q.text.split()[-2]
+    friend, city = kb[("friend", x)], kb[("city", kb[("friend", x)])]
+    chain = [f"friend of {x}", f"city of {friend}", f"country of {city}"]
+    right = [Traj([], [], [], task=chain[0], result=friend), Traj([], [], [], task=chain[1], result=city),
+             Traj([], [], [], task=chain[2], result=q.answer)]
+    wrong_value = next(p for p in toy_tools.PERSONS if p != friend)
+
+    def system(subs, n=3):
+        return first_errors.system_error(q, chain, Traj([], [], [], calls=list(range(n))), subs)
+    assert system(right, 2) == "M answered after 2 calls"
+    assert system([right[0], Traj([], [], [], task=f"city of {wrong_value}", result=city), right[2]]) == \
+        "M wrote sub-task 2 wrong"
+    assert system([Traj([], [], [], task=chain[0], result=wrong_value), *right[1:]]) == "S misread hop 1"
+    assert system(right) == "M's answer is not the value S returned"
+    agent = SimpleNamespace(tok=SimpleNamespace(decode=lambda ids: ids))
+    searches = [f"<search> {e} </search> <tool> ..." for e in (x, friend, city)]
+    assert first_errors.single_error(agent, chain, Traj(" ".join(searches[:1]), [], [])) == "answered after 1 searches"
+    assert first_errors.single_error(agent, chain, Traj(f"{searches[0]} <search> {wrong_value} </search>", [], [])) \
+        == "search 2 for a wrong entity"
+    assert first_errors.single_error(agent, chain, Traj(" ".join(searches), [], [])) == \
+        "answer wrong after every search right"
+
+
+def test_first_errors_reproduces_the_runs_evaluation(cold_start_dir, capsys, monkeypatch):
+    """The script samples the very rollouts of mgrpo.evaluate (same questions, seeds, token ids), so
+    its success is the run's; and it counts every question once."""
+    argv = ["--level", "1", "--cold-start", "0", "--eval-questions", "24", "--main-model", cold_start_dir["main"],
+            "--sub-model", cold_start_dir["sub"]]
+    rollouts, rollout = [], mgrpo.rollout
+
+    def spy(*a, **kw):
+        out = rollout(*a, **kw)
+        rollouts.append([t.ids for t in out[0]] + [t.ids for t in out[1]])
+        return out
+    monkeypatch.setattr(mgrpo, "rollout", spy)
+    first_errors.main(argv)
+    lines, theirs = capsys.readouterr().out.splitlines(), rollouts[:]
+    rollouts.clear()
+    args = mgrpo.parse_args(argv)
+    main_agent = helpers.load_agent(args.main_model, args, seed=0)
+    sub = helpers.load_agent(args.sub_model, args, seed=1)
+    delegate = lambda *a: mgrpo.run_sub_agents(sub, args, toy_tools.ToySearch(), *a)  # noqa: E731
+    for line, greedy in zip(lines, (False, True)):
+        success = mgrpo.evaluate(main_agent, args, toy_tools, delegate, None, greedy)
+        assert line.startswith(f"{'greedy' if greedy else 'sampled'}: success {success:.3f}")
+    assert len(theirs) == 2 and theirs == rollouts  # sampled, then greedy: token for token
+    for line in lines:
+        right = round(float(line.split("success ")[1].split(";")[0]) * 24)
+        mistakes = re.findall(r" (\d+)(?:,|$)", line.split("first mistakes: ")[1])
+        assert right + sum(map(int, mistakes)) == 24, line
+
+
+def test_answer_margin_reads_where_m_answers(cold_start_dir, capsys):
+    """Cut before each greedy answer, the context's next token is <answer> for the M that ran: its
+    margin over <call> is never below 0, and another M is read at the very same places."""
+    argv = ["--level", "1", "--cold-start", "0", "--eval-questions", "16", "--main-model", cold_start_dir["main"],
+            "--sub-model", cold_start_dir["sub"], "--compare", cold_start_dir["main"]]
+    contexts = answer_margin.main(argv)
+    out = capsys.readouterr().out.splitlines()
+    assert contexts and out[0].startswith(f"{len(contexts)} of 16 questions answered")
+    assert all(c[-1] == contexts[0][-1] for c in contexts)  # each ends where M's turn begins
+    mine, again = out[1].split(": ", 1)[1], out[2].split(": ", 1)[1]
+    assert mine == again and f"below 0 at 0 of {len(contexts)}" in mine
+    agent = helpers.load_agent(cold_start_dir["main"], mgrpo.parse_args(argv[:-2]), seed=0)
+    ids = agent.tok.convert_tokens_to_ids(["<answer>", "<call>"])
+    got = answer_margin.margins(agent, contexts, *ids)
+    assert (got >= 0).all() and (answer_margin.margins(agent, contexts, *ids[::-1]) == -got).all()
+    from sampling import token_logprobs  # the training path: the next token of each context, one per row
+    with torch.no_grad():
+        last = [[float(token_logprobs(agent.model, torch.tensor([c + [t]]), torch.ones(1, len(c) + 1,
+                                                                                       dtype=torch.long))[0, -1])
+                 for t in ids] for c in contexts[:4]]
+    assert all(abs(g - (a - b)) < 1e-4 for g, (a, b) in zip(got, last)) and len(last) > 0
+    with pytest.raises(SystemExit):
+        answer_margin.main(["--main-model", cold_start_dir["main"]])  # no sub-agent to run

@@ -60,13 +60,13 @@ def parse_cold_start(spec):
     """--cold-start's text as ColdStart: a preset's name, a number of steps (the demo preset's
     settings), or a JSON object of ColdStart's fields (inline, or a file's path), over the preset it
     names as "preset" (else the defaults). A bad one is an error that says what is wrong, and where."""
-    where = "--cold-start"
+    where = ""  # a file's name, once the spec names one
     try:
         if spec in PRESETS or re.fullmatch(r"-?[0-9]{1,9}", spec.strip()):
-            fields = dict(PRESETS.get(spec) or {"steps": int(spec)})
+            fields = dict(PRESETS[spec]) if spec in PRESETS else {"steps": int(spec)}
         else:
             if not spec.lstrip().startswith("{"):
-                where = spec
+                where = spec + ": "
                 with open(spec, encoding="utf-8") as f:
                     spec = f.read(1 << 20)
             fields = json.loads(spec)
@@ -78,9 +78,9 @@ def parse_cold_start(spec):
             fields = {**PRESETS[base], **fields}
         return checked_cold_start(fields)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{where}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        raise argparse.ArgumentTypeError(f"{where}not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     except (OSError, ValueError, TypeError, RecursionError) as e:
-        raise argparse.ArgumentTypeError(f"{where}: {e}; give a preset ({', '.join(PRESETS)}), a number of "
+        raise argparse.ArgumentTypeError(f"{where}{e}; give a preset ({', '.join(PRESETS)}), a number of "
                                          "steps, or a JSON object of ColdStart's fields (cold_start.py)") from None
 
 
@@ -91,7 +91,7 @@ def checked_cold_start(fields):
     if unknown:
         raise ValueError(f"unknown fields {unknown} (ColdStart has {', '.join(kinds)})")
     for k, v in fields.items():
-        ok = (type(v) is int if kinds[k] is int else type(v) in (int, float) if kinds[k] is float else
+        ok = (type(v) is int if kinds[k] is int else type(v) in (int, float) and math.isfinite(v) if kinds[k] is float else
               type(v) is bool if kinds[k] is bool else isinstance(v, list) and all(type(x) is int for x in v))
         if not ok:
             raise ValueError(f"{k} must be {'a list of levels' if kinds[k] is tuple else kinds[k].__name__}, "

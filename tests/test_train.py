@@ -105,6 +105,39 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
     assert "needs its package: pip install tensorboard" in capsys.readouterr().err
 
 
+def test_a_bad_cold_start_is_a_clear_error_naming_its_file_and_line(tmp_path, capsys):
+    """--cold-start is a preset, a number of steps, or JSON, inline or in a file: whatever the text or
+    the file holds, a bad one stops the run before anything starts, with a message that names the file
+    (and the line of a JSON error), never a traceback."""
+    (tmp_path / "bad.json").write_text('{\n  "steps": 10,\n  "batch": ,\n}\n')
+    (tmp_path / "nested.json").write_text("[" * 100_000)
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00\x81 garbage")
+    (tmp_path / "big.json").write_text('{"steps": 1, "pad": "' + "x" * (2 << 20) + '"}')  # read up to 1 MiB
+    (tmp_path / "good.json").write_text('{"preset": "chat", "steps": 7}')
+    (tmp_path / "list.json").write_text('[1, 2]')
+    for spec, msg in [(tmp_path / "bad.json", "bad.json: not JSON (line 3, column 12"),
+                      (tmp_path / "missing.json", "missing.json: [Errno 2] No such file"),
+                      (tmp_path, "Is a directory"), (tmp_path / "nested.json", "nested.json: maximum recursion"),
+                      (tmp_path / "binary.json", "binary.json: 'utf-8' codec can't decode"),
+                      (tmp_path / "big.json", "big.json: not JSON (line 1"),
+                      ("fast", "fast: [Errno 2] No such file"), ("-5", "steps must be >= -1"),
+                      ('{"steps": "10"}', "steps must be int, not '10'"), ('{"steps": 1.5}', "steps must be int"),
+                      ('{"levels": "1,2"}', "levels must be a list of levels"), ('{"levels": [0]}', "levels >= 1"),
+                      ('{"uniform_first_layer": 1}', "uniform_first_layer must be bool"),
+                      ('{"lr": Infinity}', "lr must be float"), ('{"until": NaN}', "until must be float"),
+                      ('{"preset": "fast"}', "no preset 'fast'"), ('{"preset": []}', "unhashable"),
+                      ('{"stepz": 3}', "unknown fields ['stepz']"), (tmp_path / "list.json", "list.json: not a JSON object")]:
+        with pytest.raises(SystemExit):
+            mgrpo.parse_args(["--cold-start", str(spec)])
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (spec, err[-300:])
+        assert "argument --cold-start" in err and "give a preset (demo, none, chat)" in err or "not JSON" in err
+    assert mgrpo.parse_args(["--cold-start", str(tmp_path / "good.json")]).cold_start == cold_start.ColdStart(
+        steps=7, batch=16, bare=0.75, until=0.6)  # over the chat preset
+    assert mgrpo.parse_args(["--cold-start", "none"]).cold_start.steps == 0
+    assert mgrpo.parse_args([]).cold_start == cold_start.ColdStart() == mgrpo.parse_args(["--cold-start", "demo"]).cold_start
+
+
 def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_path, capsys, monkeypatch):
     """A check (until): greedy success per demo level, on held-out questions that evaluations never use,
     after the cold start; below the bar, another round on new demos from fresh weights, at most 3 times."""

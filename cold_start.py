@@ -135,7 +135,7 @@ def sft_rate(i, steps, warmup, decay=1.0):
     """The cold start's learning rate at step i of `steps`, as a share of its peak: a linear rise over the
     first `warmup` share of the steps, times a cosine decay over the last `decay` share (1: all of them).
     Without the rise, AdamW's first full-size steps on random weights left a tiny sub-agent blind to facts
-    at a few places of its result lists, on most init seeds (docs/stage1.md)."""
+    at a few places of its result lists, on most init seeds."""
     rise, fall = max(1, round(warmup * steps)), max(1, round(decay * steps))
     held = max(0, i - (steps - fall))  # steps into the decay
     return min(1.0, (i + 1) / rise) * 0.5 * (1 + math.cos(math.pi * held / fall))

@@ -175,7 +175,7 @@ def search_tool(args, task):
         try:
             search.search("ada", 0, args.level)
         except SearchError as e:
-            raise SearchError(f"{e}; the toy server starts with: python toy_tools.py serve --port PORT") from None
+            raise SearchError(f"{e}; the toy server starts with: python toy_server.py --port PORT") from None
     return search
 
 

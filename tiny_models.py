@@ -97,8 +97,8 @@ def chat_tokenizer(task, vocab_size=768):
 
 SIZES = {  # models built here: (hidden, layers, heads, kv heads, MLP)
     "0.1M": (64, 2, 8, 4, 192), "0.2M": (96, 2, 8, 4, 256),
-    # 0.4M: the comparisons' stage 1 (scripts/compare.py), whose level-3 lists a 2-layer model learned
-    # to read by some seeds and not others; heads of 24 dims, not 12, and 4 layers (docs/experiments.md)
+    # 0.4M: the comparisons' stage 1 (experiments/compare.py), whose level-3 lists a 2-layer model learned
+    # to read by some seeds and not others; heads of 24 dims, not 12, and 4 layers (experiments/README.md)
     "0.4M": (96, 4, 4, 2, 256), "1M": (128, 4, 4, 2, 512), "4M": (256, 4, 8, 4, 1024), "30M": (512, 8, 8, 4, 1536)}
 
 
@@ -123,7 +123,7 @@ def freeze_uniform(model):
     trained by no optimizer, so each of its heads takes the mean of the values of every token up to its
     own, whatever the tokens. Why: tiny models trained on the toy task's result lists copied a fact with
     first-layer heads that found it by its kind of word at a few distances back, and were blind at the
-    others (docs/stage1.md); with this layer, later layers do the copying. A stand-in for what
+    others (experiments/stage1.md); with this layer, later layers do the copying. A stand-in for what
     pretraining gives a real model; not part of M-GRPO. (Frozen for clarity: with queries and keys
     both 0, neither would get a gradient anyway.)"""
     flag = getattr(model.config, "uniform_first_layer", None)

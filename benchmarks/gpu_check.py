@@ -301,7 +301,7 @@ def main():
     p.add_argument("--peak-tflops", type=float, default=989.0,
                    help="the GPU's dense bf16 peak for MFU (H100/H200 SXM datasheet: 989)")
     p.add_argument("--out", default="runs/gpu_check", help="models, logs, metrics and gpu_check.json go here")
-    p.add_argument("--report", default="docs/gpu_check-report.md", help="the Markdown report")
+    p.add_argument("--report", default="benchmarks/gpu-check-report.md", help="the Markdown report")
     p.add_argument("--samplers", action=argparse.BooleanOptionalAction, default=False,
                    help="last, replay two steps' rollout calls with each sampler (benchmarks/bench_generate.py)")
     b = p.parse_args()

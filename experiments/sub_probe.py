@@ -67,7 +67,7 @@ def fact_place(q, task):
 def miss_places(qs, trajs):
     """Where the fact that each missed sub-task asks for stands in the result list of a search for the
     sub-task's entity (0: first): {place: misses}. A model that misses every fact at the head of a long
-    list, and no other, copies only from so far back (docs/stage1.md)."""
+    list, and no other, copies only from so far back (experiments/stage1.md)."""
     places = {}
     for q, t in zip(qs, trajs):
         if toy_tools.expert_score(q, t.task, t.result):

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import mgrpo
-import toy_tools
+import toy_server
 
 
 def pytest_configure(config):
@@ -112,7 +112,7 @@ def cold_start_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_url():
     """The toy search tool as an HTTP server on a free local port."""
-    srv = toy_tools.make_server(0)
+    srv = toy_server.make_server(0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()

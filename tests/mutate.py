@@ -4,9 +4,9 @@ the fast test tier (`pytest -m "not slow"`) must catch every one.
 Each mutant replaces one exact piece of `mgrpo.py` or a sibling module. A piece that is no longer
 in the code, or is there more than once, stops the script: the list must follow the code.
 
-    python scripts/mutate.py             # every mutant: caught by which test, or survived
-    python scripts/mutate.py --list      # the mutants, numbered
-    python scripts/mutate.py --only 3 7  # some of them
+    python tests/mutate.py             # every mutant: caught by which test, or survived
+    python tests/mutate.py --list      # the mutants, numbered
+    python tests/mutate.py --only 3 7  # some of them
 
 Exit status 1 if any mutant survives (or is stale).
 """
@@ -50,16 +50,16 @@ MUTANTS = [
     ("max instead of min in the clipped surrogate", "mgrpo.py",
      "torch.minimum(ratio * a, clipped_ratio * a)", "torch.maximum(ratio * a, clipped_ratio * a)"),
     ("off by one between logits and targets", "sampling.py",
-     "logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])",
-     "logits[:, 1:].float().log_softmax(-1).gather(-1, ids[:, 1:, None])"),
+     "lp = head_logp(model, h[:, :-1], ids[:, 1:], keep, mask is None)",
+     "lp = head_logp(model, h[:, 1:], ids[:, 1:], keep, mask is None)"),
     ("positions ignore left padding", "sampling.py",
-     "    pos = (attn.cumsum(-1) - 1).clamp(min=0)\n    logits = model(",
-     "    pos = torch.arange(attn.shape[1])[None].expand_as(attn)\n    logits = model("),
+     "    pos = (attn.cumsum(-1) - 1).clamp(min=0)\n",
+     "    pos = torch.arange(attn.shape[1], device=attn.device)[None].expand_as(attn)\n"),
     ("tool output and returned text given mask 1", "agents.py",
      "self.mask += [0 if logp is None else 1] * len(ids)", "self.mask += [1] * len(ids)"),
     ("the loss mask ignored", "mgrpo.py", "per_tok = -surr * m", "per_tok = -surr"),
     ("micro-batches normalised on their own", "mgrpo.py",
-     'w = (min(mb, B - s) / B) if args.loss_agg == "seq-mean" else mask[sl].sum() / n_tok', "w = 1.0"),
+     'yield sl, (min(mb, B - s) / B) if agg == "seq-mean" else mask[sl].sum() / n_tok', "yield sl, 1.0"),
     ("the attention mask built from token ids (pad == eos drops the final eos)", "sampling.py",
      "ids[b, :n], attn[b, :n] = torch.tensor(t.ids), 1", "ids[b, :n], attn[b, :n] = torch.tensor(t.ids), torch.tensor(t.ids) != pad_id"),
     ("unsync behaves as sync", "mgrpo.py", "        batch, adv = previous\n", ""),
@@ -103,9 +103,8 @@ def main():
         return 1
     survived, t_all = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for name in [n for n in os.listdir(ROOT) if n.endswith((".py", ".md"))] + ["tests", "scripts", "docs"]:
-            src = os.path.join(ROOT, name)
-            (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(tmp, name))
+        tmp = os.path.join(tmp, "repo")  # the whole checkout but its git, virtual environment and runs
+        shutil.copytree(ROOT, tmp, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", ".pytest_cache"))
         fast_tier = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", "tests"]
         r = subprocess.run(fast_tier, cwd=tmp, capture_output=True, text=True, timeout=a.timeout)
         if r.returncode != 0:  # else every mutant would count as caught

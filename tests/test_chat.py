@@ -13,6 +13,7 @@ import pytest
 import helpers
 import mgrpo
 import tools
+import toy_server
 import toy_tools
 from agents import message_ids, prompt_ids
 from cold_start import encode_demo
@@ -210,7 +211,7 @@ def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypa
     result's page, a visit of a page not among its results (refused: an observation, not a
     crash), then the answer."""
     import threading
-    srv = toy_tools.make_server(0)
+    srv = toy_server.make_server(0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
     args = mgrpo.parse_args(["--sub-max-turns", "4"])

@@ -1,6 +1,6 @@
 """The default demo, `python mgrpo.py --seed S`, learns: sampled success at least 0.9 at the end.
 One seed here, for CI's time (a process of its own, started when collection ends: tests/conftest.py);
-docs/demo.md has three."""
+experiments/demo.md has three."""
 
 
 def test_the_default_demo_learns(demo_run):

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import tools
+import toy_server
 import toy_tools as tt
 
 WHO = ("main", "sub", "single")
@@ -93,8 +94,8 @@ def test_a_page_url_with_thousands_of_digits_is_a_search_error():
         with pytest.raises(tools.SearchError, match="not a page"):
             tt.ToySearch().visit(url, 1, 1, allowed=[url])
     for path in ("/page/" + "1" * 100_000 + "/2/bo", "/page/1/" + "1" * 5000 + "/ada", "/page/1/9/ada"):
-        assert tt.served_page(path) is None  # the server's pages name their world: int() of 18 digits at most
-    assert tt.served_page("/page/1/1/ada").startswith("ada. ada lives")
+        assert toy_server.served_page(path) is None  # the server's pages name their world: int() of 18 digits at most
+    assert toy_server.served_page("/page/1/1/ada").startswith("ada. ada lives")
 
 
 @pytest.mark.parametrize("text,tags", [

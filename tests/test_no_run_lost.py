@@ -18,7 +18,7 @@ import checkpoints
 import helpers
 import mgrpo
 import store as store_module
-import toy_tools
+import toy_server
 from checkpoints import load_checkpoint, save_checkpoint
 from store import FileStore, StoreError
 from test_hostile_store import SHORT, fake_peer, load_short, snapshot
@@ -344,9 +344,9 @@ def test_the_progress_timeout_is_finite_by_default_and_says_how_to_raise_it(tmp_
 # ---------------------------------------------------------------------------------------
 @pytest.fixture
 def server(monkeypatch):
-    assert 0 < toy_tools._Handler.timeout <= 30  # by default a silent connection is cut, soon
-    monkeypatch.setattr(toy_tools._Handler, "timeout", 1.0)
-    srv = toy_tools.make_server(0, max_connections=2)
+    assert 0 < toy_server._Handler.timeout <= 30  # by default a silent connection is cut, soon
+    monkeypatch.setattr(toy_server._Handler, "timeout", 1.0)
+    srv = toy_server.make_server(0, max_connections=2)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
     srv.shutdown()
@@ -371,8 +371,8 @@ def test_the_toy_server_closes_idle_and_half_sent_connections(server):
 
 
 def test_the_toy_server_cuts_a_connection_that_trickles(server, monkeypatch):
-    monkeypatch.setattr(toy_tools._Handler, "total_timeout", 2.0)
-    assert toy_tools._Handler.total_timeout < 60  # by default too: 30 s
+    monkeypatch.setattr(toy_server._Handler, "total_timeout", 2.0)
+    assert toy_server._Handler.total_timeout < 60  # by default too: 30 s
     with socket.create_connection(("127.0.0.1", server.server_address[1])) as s:
         t0, cut = time.time(), False
         for byte in b"GET /search?q=ada&kb=1&level=1 HTTP/1.0\r\n":  # a byte every 0.3 s: never silent 1 s
@@ -388,7 +388,7 @@ def test_the_toy_server_cuts_a_connection_that_trickles(server, monkeypatch):
 
 
 def test_the_toy_server_bounds_its_connections(server, monkeypatch):
-    monkeypatch.setattr(toy_tools._Handler, "timeout", 5.0)  # the held ones wait long
+    monkeypatch.setattr(toy_server._Handler, "timeout", 5.0)  # the held ones wait long
     port = server.server_address[1]
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # both slots taken
     time.sleep(0.2)

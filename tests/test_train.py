@@ -19,6 +19,7 @@ import cold_start
 import helpers
 import mgrpo
 import tools
+import toy_server
 import toy_tools
 from agents import prompt_ids
 from tiny_models import word_tokenizer
@@ -326,7 +327,7 @@ def test_main_context_stays_short_single_agent_context_grows():
 
 @pytest.mark.slow
 def test_same_seed_same_run_and_http_search_agrees(tmp_path):
-    srv = toy_tools.make_server(0)
+    srv = toy_server.make_server(0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
     try:

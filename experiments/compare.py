@@ -134,7 +134,11 @@ def parse(argv=None):
                         "cold-start checks in <out>/<experiment>/stage1.md; --resume reuses them later")
     p.add_argument("--quick", action="store_true",
                    help="a very short version (2 stage 1s x 2 seeds, tiny budgets): checks the pipeline, shows nothing")
-    a = p.parse_args(argv)
+    return settled(p.parse_args(argv), p)
+
+
+def settled(a, p):
+    """The options with each experiment's defaults filled in and every one checked (p.error if not)."""
     if a.resume and not a.out:
         p.error("--resume needs the --out of the comparison to continue")
     a.arms = a.arms or EXPERIMENTS[a.experiment][0]
@@ -387,21 +391,15 @@ def stage1_report(s1_done, stage1, exp_out, show):
     return passed
 
 
-def main(argv=None):
-    a = parse(argv)
-    if a.recompute:
-        return recompute(a.recompute)
-    out = os.path.abspath(a.out or os.path.join("runs", time.strftime("compare-%Y%m%d-%H%M%S")))
-    exp_out = os.path.join(out, a.experiment)
-    os.makedirs(exp_out, exist_ok=True)
-    t_start = time.time()
+def plan_runs(a, out):
+    """Every run's mgrpo.py options: ({stage-1 name: argv}, {stage-2 name: argv}, {stage-2 name: (arm,
+    stage-1 seed, seed, its stage 1's name)}); a run's folder is <out>/<name>."""
     common = ["--eval-questions", str(a.eval_questions), *a.extra.split()]
     stage1, stage2_plan, plan = {}, {}, {}
     s1_prefix = "stage1-levels" + "".join(map(str, a.cold["system"]["levels"]))  # shared across experiments
+    stage2 = EXPERIMENTS[a.experiment][1]  # D and M's turns as in stage 2: stage 1 meets its hardest questions
+    shape = [x for key in ("--max-sub", "--main-max-turns") if key in stage2 for x in (key, stage2[stage2.index(key) + 1])]
     for s1 in a.stage1_seeds:
-        stage2 = EXPERIMENTS[a.experiment][1]  # D and M's turns as in stage 2: stage 1 meets its hardest questions
-        shape = [x for key in ("--max-sub", "--main-max-turns") if key in stage2
-                 for x in (key, stage2[stage2.index(key) + 1])]
         base = ["--level", "1", "--train-levels", *map(str, a.stage1_levels), *shape, "--model-size", a.model_size,
                 "--steps", str(a.stage1_steps),
                 "--eval-every", "0", "--seed", str(s1), *(RL_GUARD if a.stage1_steps else []), *common]
@@ -418,9 +416,85 @@ def main(argv=None):
             for seed in a.seeds:
                 name = f"{a.experiment}/{arm.replace(' ', '-')}-stage1seed{s1}-seed{seed}"
                 plan[name] = (arm, s1, seed, s1_name)
-                stage2_plan[name] = [*EXPERIMENTS[a.experiment][1], "--cold-start", "none", "--steps",
-                                     str(a.stage2_steps), "--eval-every", str(a.eval_every), *common,
-                                     *ARMS[arm], *init, "--seed", str(seed)]
+                stage2_plan[name] = [*stage2, "--cold-start", "none", "--steps", str(a.stage2_steps), "--eval-every",
+                                     str(a.eval_every), *common, *ARMS[arm], *init, "--seed", str(seed)]
+    return stage1, stage2_plan, plan
+
+
+def collect(out, exp_out, plan, summaries):
+    """Each stage-2 run's curve ({name: [(step, sampled success)]}, and by (arm, stage-1 seed)), and its
+    final figures by (arm, stage-1 seed); the curves also to <exp_out>/curves.csv."""
+    curves, finals, by_name = {}, {}, {}
+    with open(os.path.join(exp_out, "curves.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arm", "stage1_seed", "seed", "step", "sampled_success"])
+        for name, (arm, s1, seed, _) in plan.items():
+            c = by_name[name] = curve(os.path.join(out, name))
+            curves.setdefault((arm, s1), []).append(c)
+            w.writerows([arm, s1, seed, step, v] for step, v in c)
+            s = summaries[name]
+            fin = finals.setdefault((arm, s1), {"sampled": [], "greedy": [], "start": [], "greedy_start": [],
+                                                "kl_sub": [], "clip_sub": []})
+            kl, clip = sub_movement(os.path.join(out, name))
+            fin["kl_sub"].append(kl)
+            fin["clip_sub"].append(clip)
+            for key, src in [("sampled", "eval_success_end"), ("greedy", "eval_greedy_success_end"),
+                             ("start", "eval_success_start"), ("greedy_start", "eval_greedy_success_start")]:
+                fin[key].append(s[src])
+    return curves, finals, by_name
+
+
+def findings(a, finals, by_name, plan):
+    """The report's text: the tables, the paired differences with their intervals, the falls, S's
+    movement; and the intervals ({metric: (mean, low, high)})."""
+    text = [tables(finals, a.arms, a.stage1_seeds)]
+    # the experiment's two arms when both ran, else the first two asked for
+    paired = EXPERIMENTS[a.experiment][0] if set(EXPERIMENTS[a.experiment][0]) <= set(a.arms) else a.arms[:2]
+    pairs = {}
+    for m in ("sampled", "greedy") if len(paired) == 2 else ():
+        diffs = {s1: np.subtract(finals[(paired[0], s1)][m], finals[(paired[1], s1)][m]) for s1 in a.stage1_seeds}
+        pairs[m] = paired_interval(diffs)
+        text.append(paired_line(paired, m, diffs))
+    text.append(falls(by_name, plan))
+
+    def run_mean(arm, key):  # over every stage 1 and seed
+        return np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)][key]])
+    moved = [arm for arm in a.arms if arm in ("co-train", "co-train unsync")]  # the arms in which S trains
+    if moved:
+        text.append("S's sampling policy against the one it updates, mean over steps and runs (about 0 "
+                    "on-policy; one step behind, one update's movement): " + "; ".join(
+            f"{arm}: approximate KL {run_mean(arm, 'kl_sub'):.1e} per token, clipped "
+            f"{100 * run_mean(arm, 'clip_sub'):.2f}% of tokens" for arm in moved) + ".")
+    return text, pairs
+
+
+def results_md(a, text, s1_done, minutes, has_png, commands):
+    """<exp_out>/results.md: the figures, the stage 1s, the plot and every run's command."""
+    s1_lines = [f"- `{k}`: level-1 sampled success {v['eval_success_start']:.3f} -> {v['eval_success_end']:.3f}, "
+                f"greedy {v['eval_greedy_success_end']:.3f}" + ("; " + check_text(v) if v.get("sft_check") else "")
+                for k, v in s1_done.items()]
+    return "\n".join([
+        f"# Comparison '{a.experiment}': {', '.join(a.arms)}", "",
+        f"{len(a.stage1_seeds)} stage 1s (seeds {', '.join(map(str, a.stage1_seeds))}) x {len(a.seeds)} stage-2 "
+        f"seeds ({', '.join(map(str, a.seeds))}), {a.stage2_steps} stage-2 steps per run, {a.eval_questions} "
+        f"held-out questions per evaluation; 'sampled' at temperature 1. This invocation took {minutes:.1f} min, "
+        f"{a.jobs} runs at a time (runs reused by --resume take none).", "", *[t + "\n" for t in text],
+        "Stage 1s:", *s1_lines, "",
+        "![curves](curves.png)" if has_png else "(no plot: matplotlib is not installed)", "",
+        "## Commands", "", "Each run is `python mgrpo.py <options>`, `<out>` the folder of this comparison; all "
+        "other settings are mgrpo.py's defaults, and every run's full settings are in its `args.json`.", "",
+        *commands, ""])
+
+
+def main(argv=None):
+    a = parse(argv)
+    if a.recompute:
+        return recompute(a.recompute)
+    out = os.path.abspath(a.out or os.path.join("runs", time.strftime("compare-%Y%m%d-%H%M%S")))
+    exp_out = os.path.join(out, a.experiment)
+    os.makedirs(exp_out, exist_ok=True)
+    t_start = time.time()
+    stage1, stage2_plan, plan = plan_runs(a, out)
 
     def show(argv):  # as a shell reads it, the folders as <out>/..., so results.md reads the same on any machine
         return shlex.join(argv).replace(out, "<out>")
@@ -443,62 +517,14 @@ def main(argv=None):
         s1_done = {name: f.result() for name, f in s1_jobs.items()}
         summaries = {name: f.result() for name, f in s2_jobs.items()}
 
-    curves, finals, by_name = {}, {}, {}
-    with open(os.path.join(exp_out, "curves.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["arm", "stage1_seed", "seed", "step", "sampled_success"])
-        for name, (arm, s1, seed, _) in plan.items():
-            c = by_name[name] = curve(os.path.join(out, name))
-            curves.setdefault((arm, s1), []).append(c)
-            w.writerows([arm, s1, seed, step, v] for step, v in c)
-            s = summaries[name]
-            fin = finals.setdefault((arm, s1), {"sampled": [], "greedy": [], "start": [], "greedy_start": [],
-                                                "kl_sub": [], "clip_sub": []})
-            kl, clip = sub_movement(os.path.join(out, name))
-            fin["kl_sub"].append(kl)
-            fin["clip_sub"].append(clip)
-            for key, src in [("sampled", "eval_success_end"), ("greedy", "eval_greedy_success_end"),
-                             ("start", "eval_success_start"), ("greedy_start", "eval_greedy_success_start")]:
-                fin[key].append(s[src])
-
+    curves, finals, by_name = collect(out, exp_out, plan, summaries)
     minutes = (time.time() - t_start) / 60
-    text = [tables(finals, a.arms, a.stage1_seeds)]
-    # the experiment's two arms when both ran, else the first two asked for
-    paired = EXPERIMENTS[a.experiment][0] if set(EXPERIMENTS[a.experiment][0]) <= set(a.arms) else a.arms[:2]
-    pairs = {}
-    for m in ("sampled", "greedy") if len(paired) == 2 else ():
-        diffs = {s1: np.subtract(finals[(paired[0], s1)][m], finals[(paired[1], s1)][m]) for s1 in a.stage1_seeds}
-        pairs[m] = paired_interval(diffs)
-        text.append(paired_line(paired, m, diffs))
-
-    text.append(falls(by_name, plan))
-
-    def run_mean(arm, key):  # over every stage 1 and seed
-        return np.mean([x for s1 in a.stage1_seeds for x in finals[(arm, s1)][key]])
-    moved = [arm for arm in a.arms if arm in ("co-train", "co-train unsync")]  # the arms in which S trains
-    if moved:
-        text.append("S's sampling policy against the one it updates, mean over steps and runs (about 0 "
-                    "on-policy; one step behind, one update's movement): " + "; ".join(
-            f"{arm}: approximate KL {run_mean(arm, 'kl_sub'):.1e} per token, clipped "
-            f"{100 * run_mean(arm, 'clip_sub'):.2f}% of tokens" for arm in moved) + ".")
+    text, pairs = findings(a, finals, by_name, plan)
     title = f"'{a.experiment}': {len(a.seeds)} seeds per stage 1, mean and min-max"
     has_png = plot(curves, a.arms, a.stage1_seeds, os.path.join(exp_out, "curves.png"), title)
-    s1_lines = [f"- `{k}`: level-1 sampled success {v['eval_success_start']:.3f} -> {v['eval_success_end']:.3f}, "
-                f"greedy {v['eval_greedy_success_end']:.3f}" + ("; " + check_text(v) if v.get("sft_check") else "")
-                for k, v in s1_done.items()]
-    md = "\n".join([
-        f"# Comparison '{a.experiment}': {', '.join(a.arms)}", "",
-        f"{len(a.stage1_seeds)} stage 1s (seeds {', '.join(map(str, a.stage1_seeds))}) x {len(a.seeds)} stage-2 "
-        f"seeds ({', '.join(map(str, a.seeds))}), {a.stage2_steps} stage-2 steps per run, {a.eval_questions} "
-        f"held-out questions per evaluation; 'sampled' at temperature 1. This invocation took {minutes:.1f} min, "
-        f"{a.jobs} runs at a time (runs reused by --resume take none).", "", *[t + "\n" for t in text],
-        "Stage 1s:", *s1_lines, "",
-        "![curves](curves.png)" if has_png else "(no plot: matplotlib is not installed)", "",
-        "## Commands", "", "Each run is `python mgrpo.py <options>`, `<out>` the folder of this comparison; all "
-        "other settings are mgrpo.py's defaults, and every run's full settings are in its `args.json`.", "",
-        *[f"- `{name}`: `{show(argv)} --out <out>/{name}`" for name, argv in {**stage1, **stage2_plan}.items()], ""])
+    commands = [f"- `{name}`: `{show(argv)} --out <out>/{name}`" for name, argv in {**stage1, **stage2_plan}.items()]
     with open(os.path.join(exp_out, "results.md"), "w") as f:
-        f.write(md)
+        f.write(results_md(a, text, s1_done, minutes, has_png, commands))
     print("\n" + "\n\n".join(text))
     print(f"\n{minutes:.1f} min | {exp_out}/results.md" + (f" | {exp_out}/curves.png" if has_png else
                                                            " | no plot (pip install matplotlib for one)"))

@@ -59,7 +59,7 @@ class Agent:
     system: dict = None    # chat models: the task's system prompt per agent kind (main, sub, single)
     bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights
     ref: torch.nn.Module = None  # --kl-coef: the frozen reference
-    pending: tuple = None  # --unsync: (batch, advantages) of the previous step, not yet trained on
+    pending: tuple = None  # --mode unsync: (batch, advantages) of the previous step, not yet trained on
     skipped: int = 0       # updates in a row with a step skipped for a non-finite loss or gradient
     graphs: dict = None    # on a GPU: (rows, cache slots) -> its CUDA graph's decoder (cuda_graphs.py)
     recompute: bool = False  # --grad-checkpointing: activations recomputed in the backward pass

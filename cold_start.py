@@ -49,6 +49,10 @@ class ColdStart:
     until: float = 0.0       # the system's greedy success on held-out questions to reach, else another round
     uniform_first_layer: bool = False  # models built here: a first layer that attends alike to all earlier tokens
 
+    def __str__(self):  # as --help shows the default: the preset, or the fields that differ from it
+        changed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+        return json.dumps(changed) if changed else "demo"
+
 
 # Named settings. chat: the tiny chat models of --chat, whose cold start needs bare demos first and a
 # check (docs/real-models.md); the experiments' stage 1s pass their own as JSON (experiments/compare.py)
@@ -154,28 +158,27 @@ def cold_start(agent, kind, args, task, seed, steps):
     # `bare`: a tiny model behind a system prompt of hundreds of tokens takes many times longer to learn to
     # copy a name from its task; learned on bare demos first, the copy carries over in ~100 steps
     bare = dataclasses.replace(agent, system=None, splits={})
-    for i in range(steps):
-        demos, enc = [], bare if agent.system and i < c.bare * steps else agent
-        for _ in range(c.batch):  # a question, then its demo, from the one rng; one level per step,
-            q = task.make_question(rng.randrange(2 ** 31), mix[i % len(mix)])  # padded to its own length
-            demos.append(encode_demo(enc, task.demo(q, rng, c.noise, kind, agent.chat), kind))
-        ids, attn, mask, _ = collate(demos, agent.pad_id, "cpu")
-        ids, attn, mask = (x.to(agent.model.device) for x in (ids, attn, mask))
-        agent.model.train(args.grad_checkpointing)
-        with agent.autocast():
-            loss = -token_logprobs(agent.model, ids, attn, mask).sum() / mask.sum()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss.item()} in the cold start of {kind}, step {i + 1}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
-        opt.step()
-        schedule.step()
-        tail = (tail + [loss.item()])[-max(len(mix), steps // 50):]
-        if (i + 1) % max(1, steps // 4) == 0 and i + 1 < steps:
-            print(f"  cold start {kind}: step {i + 1}/{steps}, loss {loss.item():.3f}, about "
-                  f"{(time.time() - t0) / (i + 1) * (steps - i - 1):.0f}s left", flush=True)
-    agent.model.eval()
+    with agent.training():
+        for i in range(steps):
+            demos, enc = [], bare if agent.system and i < c.bare * steps else agent
+            for _ in range(c.batch):  # a question, then its demo, from the one rng; one level per step,
+                q = task.make_question(rng.randrange(2 ** 31), mix[i % len(mix)])  # padded to its own length
+                demos.append(encode_demo(enc, task.demo(q, rng, c.noise, kind, agent.chat), kind))
+            ids, attn, mask, _ = collate(demos, agent.pad_id, "cpu")
+            ids, attn, mask = (x.to(agent.model.device) for x in (ids, attn, mask))
+            with agent.autocast():
+                loss = -token_logprobs(agent.model, ids, attn, mask).sum() / mask.sum()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss {loss.item()} in the cold start of {kind}, step {i + 1}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
+            opt.step()
+            schedule.step()
+            tail = (tail + [loss.item()])[-max(len(mix), steps // 50):]
+            if (i + 1) % max(1, steps // 4) == 0 and i + 1 < steps:
+                print(f"  cold start {kind}: step {i + 1}/{steps}, loss {loss.item():.3f}, about "
+                      f"{(time.time() - t0) / (i + 1) * (steps - i - 1):.0f}s left", flush=True)
     opt.zero_grad(set_to_none=True)  # no stale gradient left on the weights (nor its memory)
     return sum(tail) / max(1, len(tail))
 

@@ -5,6 +5,7 @@ to eager decoding if it fails.
 import torch
 import transformers
 
+
 class GraphDecoder:
     """Decode steps over a static KV cache, replayed as a CUDA graph. Fixed shapes: `rows` (batches padded to
     a power of two; finished rows stay, masked) and `length` cache slots. The first replay is checked

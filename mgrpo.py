@@ -62,14 +62,15 @@ def arg(default, help, **argparse_kw):
 @dataclass
 class Args:
     # the algorithm (tutorial.md lists the paper's symbols)
-    steps: int = arg(200, "M-GRPO steps; each updates both agents", group="the algorithm")
+    steps: int = arg(200, "training steps; each updates every agent that trains", group="the algorithm")
     questions_per_step: int = arg(8, "queries per step")
     group_size: int = arg(8, "K: rollouts per query, the group of M's advantage (eq. 9-10)")
     max_sub: int = arg(2, "D: aligned sub-trajectories per rollout, the group of S's is D x K (eq. 11-13)")
     mode: str = arg("co-train", "co-train: M-GRPO, both agents train; unsync: the same, S trained one step "
                     "behind (the paper's off-policy version); main-only: S frozen, M trains (GRPO); "
                     "single-agent: one model searches and answers (GRPO), no S")
-    w_sub: tuple = arg((0.1, 0.4, 0.5), "eq. 5: R_S's weights of r_format, r_correct_main, r_expert")
+    w_sub: tuple = arg((0.1, 0.4, 0.5), "eq. 5: R_S's weights of r_format, r_correct_main, r_expert (the paper "
+                       "gives R_M's, 0.1 and 0.9, and leaves R_S's open)")
     lr: float = arg(3e-4, "learning rate of both agents (the paper: 1e-6 for 30B models)")
     lr_sub: float = arg(0.0, "S's own learning rate; 0: --lr")
     weight_decay: float = arg(0.1, "AdamW's weight decay; betas (0.9, 0.98), as in the paper")
@@ -316,8 +317,8 @@ def backward(agent, batch, adv, ref, args, log):
     for rows, weight in micro_batches(mask, args.micro_batch, args.loss_agg):
         with log.timed("t_fwd"), agent.autocast():
             logp = token_logprobs(agent.model, ids[rows], attn[rows], mask[rows])
-        loss, stats = policy_loss(logp, old[rows], adv[rows], mask[rows], *args.clip_eps, args.loss_agg,
-                                  None if ref is None else ref[rows], args.kl_coef)
+        loss, stats = policy_loss(logp, old[rows], adv[rows], mask[rows], *args.clip_eps, agg=args.loss_agg,
+                                  ref_logp=None if ref is None else ref[rows], kl_coef=args.kl_coef)
         if not torch.isfinite(loss):
             return False
         with log.timed("t_bwd"):
@@ -337,16 +338,24 @@ def update_agent(agent, trajs, adv, args):
         for _ in range(args.ppo_epochs):
             agent.opt.zero_grad(set_to_none=True)
             finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log)
-            with log.timed("t_bwd"):  # the clip and the step count with the backward pass
-                grad_norm = torch.tensor(float("nan"))  # a non-finite loss: no gradient to clip
-                if finite:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), args.grad_clip)
-                if torch.isfinite(grad_norm):
-                    agent.opt.step()
-                else:
-                    log.rec["skipped"] += 1
+            with log.timed("t_bwd", sync=True):  # the clip and the step count with the backward pass
+                grad_norm = clip_and_step(agent, finite, args.grad_clip, log)
     skipped_in_a_row(agent, log.rec["skipped"])
     return log.result(grad_norm)
+
+
+def clip_and_step(agent, finite, max_norm, log):
+    """The gradient's norm clipped to max_norm, then AdamW's step. A loss that was not finite (no gradient)
+    or a gradient norm that is not: no step, counted in the log as skipped. Returns the norm before the
+    clip (NaN where there is none)."""
+    grad_norm = torch.tensor(float("nan"))
+    if finite:
+        grad_norm = torch.nn.utils.clip_grad_norm_(agent.model.parameters(), max_norm)
+    if torch.isfinite(grad_norm):
+        agent.opt.step()
+    else:
+        log.rec["skipped"] += 1
+    return grad_norm
 
 
 MAX_SKIPPED = 3  # updates in a row whose loss or gradient is not finite, before the run stops

@@ -46,4 +46,4 @@ def store_record(store, key, rec, check, task=None):
     except (KeyError, TypeError, ValueError, IndexError):
         pass
     raise StoreError(f"store {store.dir}: record {key} is not what the {store.peer} role writes; "
-                     f"start both roles on an empty store (or another --run-id)")
+                     f"start both roles on an empty store")

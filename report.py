@@ -51,8 +51,7 @@ class Log:
 
 class UpdateLog:
     """What one agent's update logs as it goes: token-weighted means of policy_loss's statistics over the
-    batch and its epochs, the seconds of its forward and backward passes (a GPU's, synchronised), and
-    its skipped steps."""
+    batch and its epochs, the seconds of its forward and backward passes, and its skipped steps."""
 
     def __init__(self, device, batch, epochs):
         ids, self.attn, self.mask, _ = batch
@@ -61,10 +60,12 @@ class UpdateLog:
         self.rec = {"clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "t_fwd": 0.0, "t_bwd": 0.0, "skipped": 0}
 
     @contextlib.contextmanager
-    def timed(self, key):
+    def timed(self, key, sync=False):
+        """Seconds under rec[key]; sync: wait for the GPU first, so that the time split is the GPU's (once
+        an epoch: a wait after every micro-batch would idle it)."""
         t0 = time.perf_counter()
         yield
-        if self.sync:
+        if sync and self.sync:
             self.sync()
         self.rec[key] += time.perf_counter() - t0
 
@@ -189,7 +190,7 @@ def report(args, agents, out, t_start, d_rule):
 
 
 def cold_start_outcome(out):
-    """{"sft_check": ...} as this run's cold start wrote it (--sft-until), if it had one."""
+    """{"sft_check": ...} as this run's cold start wrote it (its check, `until`), if it had one."""
     try:
         with open(os.path.join(out, "sft_check.json")) as f:
             return {"sft_check": json.load(f)}

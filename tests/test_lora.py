@@ -66,7 +66,7 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off(monkeypatch):
         on = token_logprobs(agent.model, ids, attn, mask)
     seen = []
     real = mgrpo.policy_loss
-    monkeypatch.setattr(mgrpo, "policy_loss", lambda *a: seen.append(a[7]) or real(*a))
+    monkeypatch.setattr(mgrpo, "policy_loss", lambda *a, **k: seen.append(k["ref_logp"]) or real(*a, **k))
     mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]), args)
     assert agent.ref is None and (seen[0] - want).abs().max() < 1e-5 and (on - want).abs().max() > 1e-2
 

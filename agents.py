@@ -21,6 +21,7 @@ import transformers
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import smollm2
 from tiny_models import WORD_TEMPLATE, build_model, chat_tokenizer, freeze_uniform, word_tokenizer
 from tools import CHAT_TOOLS, TOOLS
 
@@ -107,12 +108,13 @@ def turn_end(tok, stop, name):
 
 
 def load_agent(name, args, task, seed=0, lr=None):
-    """A model by Hugging Face name or path, or (name empty) a tiny one built in code from `seed`, with
+    """A model by Hugging Face name or path ("smollm2": SmolLM2-135M-Instruct, smollm2.py), or (name
+    empty) a tiny one built in code from `seed`, with
     its tokenizer, its own AdamW (lr: default args.lr), and what sampling needs to know of its tokens.
     args: the run's settings it reads (chat, model_size, cold_start, device, dtype, lr, weight_decay,
     max_new_tokens, grad_checkpointing); task: the task, whose words and prompts it uses. On a GPU it
     decodes with CUDA graphs (sampling.generate falls back to eager decoding if they fail)."""
-    peft = None
+    peft, name = None, smollm2.resolve(name)
     if name and os.path.isfile(os.path.join(name, "adapter_config.json")):  # a LoRA adapter over its base
         tok, (model, peft) = load_tokenizer(name), load_adapter(name, args)
     elif name:

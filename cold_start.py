@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from agents import adamw, add_adapter, load_agent, message_ids, new_traj, share_base
 from checkpoints import load_reference, save_checkpoint, save_frozen
 from run import agent_kinds, exit_with_parent, load_task
+import smollm2
 from sampling import collate, token_logprobs
 from tiny_models import build_model
 from tools import stable_seed
@@ -282,7 +283,8 @@ def attach_adapters(agents, args, out):
         # then moves the adapter to its base's device)
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(stable_seed(args.seed, "lora", n))
-            add_adapter(a, args.lora_rank, os.path.abspath(os.path.join(out, "base", n)) if n in own else given[n])
+            base = os.path.abspath(os.path.join(out, "base", n)) if n in own else smollm2.resolve(given[n])
+            add_adapter(a, args.lora_rank, base)
     if one_base(args, agents):
         share_base(agents)
 

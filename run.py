@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import transformers
 
+import smollm2
 from agents import prompt_ids
 from store import FileStore, StoreError
 from tiny_models import SIZES
@@ -66,7 +67,7 @@ def parse_args(args_class, argv=None, doc=""):
         kw.update({k: v for k, v in f.metadata.items() if k not in ("help", "group")})
         group.add_argument("--" + f.name.replace("_", "-"), **kw)
     a = args_class(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(p.parse_args(argv)).items()})
-    errors = problems(a) + task_problems(a)
+    errors = problems(a) + task_problems(a) + model_problems(a)
     if errors:
         p.error("; ".join(errors))
     if a.eval_questions == -1:
@@ -117,6 +118,16 @@ def task_problems(a):
         return [f"--task {a.task}: {e}"]
     except ValueError as e:
         return [f"--level / --train-levels / the cold start's levels: {e}"]
+    return []
+
+
+def model_problems(a):
+    """A model named by a short name (smollm2) must be there: converted once, here, before anything runs."""
+    try:
+        for name in {a.main_model, a.sub_model}:
+            smollm2.resolve(name)
+    except ValueError as e:
+        return [str(e)]
     return []
 
 

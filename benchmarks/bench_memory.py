@@ -1,7 +1,7 @@
 """Peak memory of one training micro-batch at a real model's shape, measured against mgrpo's estimate.
 
-A model with Qwen2.5-0.5B-Instruct's configuration is built in code with random weights (the hub
-cannot be reached from the machines this was measured on; the shape is what sets the memory). Each
+A model with Qwen2.5-0.5B-Instruct's configuration is built in code with random weights (the shape is
+what sets the memory), or a real one is loaded (--model, e.g. smollm2: SmolLM2-135M-Instruct). Each
 setting runs in a process of its own: build the model and its AdamW, then one step (the policy's
 log-probs, backward, AdamW), after a first step on 8 tokens that allocates AdamW's states, as any
 step after a run's first has them. The peak memory of the process (on a CPU its resident memory,
@@ -30,6 +30,7 @@ import time
 import torch
 import transformers
 
+import smollm2
 from agents import Agent, add_adapter
 from run import memory_estimate
 from sampling import token_logprobs
@@ -62,11 +63,15 @@ def one(a):
     dev = torch.device(a.device)
     cfg = dict(QWEN25_05B, **({"num_hidden_layers": a.layers} if a.layers else {}),
                **({"vocab_size": a.vocab} if a.vocab else {}))
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)).to(dev)
+    if a.model:
+        model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.resolve(a.model), dtype=torch.float32).to(dev)
+        cfg = model.config.to_dict()
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)).to(dev)
     agent = Agent(model, None, opt=torch.optim.AdamW(model.parameters(), lr=1e-6),
                   bf16=a.dtype == "bfloat16")
     if a.mode == "lora":
-        add_adapter(agent, a.lora_rank, "Qwen2.5-0.5B's shape")
+        add_adapter(agent, a.lora_rank, a.model or "Qwen2.5-0.5B's shape")
     ids = torch.randint(0, cfg["vocab_size"], (a.rows, a.tokens), device=dev)
     attn = torch.ones_like(ids)
     mask = torch.zeros_like(ids)
@@ -120,6 +125,8 @@ def main():
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--tokens", type=int, default=512, help="tokens per row")
     p.add_argument("--sampled", type=int, default=64, help="tokens per row with loss mask 1")
+    p.add_argument("--model", default="", help="a model to load (a Hugging Face name or path, or smollm2); "
+                   "empty: Qwen2.5-0.5B's shape with random weights")
     p.add_argument("--layers", type=int, default=0, help="0: the model's own (24)")
     p.add_argument("--vocab", type=int, default=0, help="0: the model's own (151,936); smaller for a dry run")
     p.add_argument("--modes", nargs="+", default=["whole", "masked", "lora"], choices=["whole", "masked", "lora"])
@@ -137,12 +144,12 @@ def main():
         return table(a)
     if a.mode:
         return print(json.dumps(one(a)))
-    print(f"Qwen2.5-0.5B's shape{f' with {a.layers} layers' if a.layers else ''}, {a.dtype} on {a.device}, "
+    print(f"{a.model or 'Qwen2.5-0.5B' + chr(39) + 's shape'}{f' with {a.layers} layers' if a.layers else ''}, {a.dtype} on {a.device}, "
           f"AdamW, {a.rows} rows x {a.tokens} tokens, {a.sampled} sampled per row, {a.threads} threads", flush=True)
     res = {}
     for mode in a.modes:
         argv = [sys.executable, "-m", "benchmarks.bench_memory", "--mode", mode] + [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in (
-            "rows", "tokens", "sampled", "layers", "vocab", "threads", "lora_rank", "dtype", "device")]
+            "rows", "tokens", "sampled", "layers", "vocab", "threads", "lora_rank", "dtype", "device", "model")]
         # glibc keeps freed large blocks in its heap once its mmap threshold has grown, so that the
         # resident peak would count the allocator's slack; a fixed threshold returns them at once
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "65536"))

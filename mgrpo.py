@@ -497,10 +497,19 @@ def eval_rollouts(main_agent, args, task, delegate, search, greedy=False, first=
 
 def evaluate(main_agent, args, task, delegate, search, greedy=False, first=EVAL_SEED):
     """Success on the held-out questions, sampled (temperature 1, as in training) or greedy."""
-    correct = []
-    for batch, trajs, _ in eval_rollouts(main_agent, args, task, delegate, search, greedy, first):
+    return eval_record(main_agent, args, task, delegate, search, greedy, first)["eval_success"]
+
+
+def eval_record(main_agent, args, task, delegate, search, greedy=False, first=EVAL_SEED):
+    """An evaluation's figures: success on the held-out questions, and the share of M's rollouts (or
+    the single agent's) and of S's sub-trajectories whose format held to the end (r_format = 1)."""
+    correct, ok_main, ok_sub = [], [], []
+    for batch, trajs, subs in eval_rollouts(main_agent, args, task, delegate, search, greedy, first):
         correct += [t.ok and task.answer_correct(q, t.result) for t, q in zip(trajs, batch)]
-    return float(np.mean(correct))
+        ok_main += [t.ok for t in trajs]
+        ok_sub += [s.ok for s in subs]
+    return {"eval": "greedy" if greedy else "sampled", "eval_success": float(np.mean(correct)),
+            "format_main": float(np.mean(ok_main)), "format_sub": float(np.mean(ok_sub)) if ok_sub else None}
 
 
 def cold_start_check(level, agents, args, task, search):
@@ -525,8 +534,7 @@ def train(agents, args, task, search, store, log, start):
         if kind == "step":
             rec = train_step(main_agent, sub, step, args, task, delegate, search, store)
         else:
-            success = evaluate(main_agent, args, task, delegate, search, greedy)
-            rec = {"step": step, "eval": "greedy" if greedy else "sampled", "eval_success": success}
+            rec = {"step": step, **eval_record(main_agent, args, task, delegate, search, greedy)}
             if store:
                 store.put(phase_key(idx) + "-done", {})
         log.phase_done(idx, kind, step, rec)

@@ -133,7 +133,10 @@ def scalars(rec):
 
 def progress_line(rec, steps):
     if "eval" in rec:
-        return f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
+        formats = ", ".join(f"{who} {rec[key]:.2f}" for who, key in (("M", "format_main"), ("S", "format_sub"))
+                            if rec.get(key) is not None)
+        return (f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
+                + (f" (format held: {formats})" if formats else ""))
     parts = [("main_reward", "R_M {main_reward:.3f} success {success:.3f} zero-var M {zero_var_main:.2f}"),
              ("sub_reward", "R_S {sub_reward:.3f} zero-var S {zero_var_sub:.2f} dup {n_dup} drop {n_drop}"),
              ("approx_kl_main", "kl {approx_kl_main:.1e} gn {grad_norm_main:.2f}"), ("t_step", "{t_step:.2f}s"),

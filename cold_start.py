@@ -56,8 +56,11 @@ class ColdStart:
 
 
 # Named settings. chat: the tiny chat models of --chat, whose cold start needs bare demos first and a
-# check (docs/real-models.md); the experiments' stage 1s pass their own as JSON (experiments/compare.py)
-PRESETS = {"demo": {}, "none": {"steps": 0}, "chat": {"steps": 800, "batch": 16, "bare": 0.75, "until": 0.6}}
+# check (docs/real-models.md). smollm2: a pretrained model learns the action format in a few steps; 20
+# of 8 demos at 1e-4 fit the SmolLM2 demo's half hour (docs/real-models.md). The experiments' stage 1s
+# pass their own as JSON (experiments/compare.py)
+PRESETS = {"demo": {}, "none": {"steps": 0}, "chat": {"steps": 800, "batch": 16, "bare": 0.75, "until": 0.6},
+           "smollm2": {"steps": 20, "batch": 8, "lr": 1e-4}}
 SHARES = ("warmup", "decay", "noise", "bare", "until")
 
 

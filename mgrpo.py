@@ -94,7 +94,7 @@ class Args:
     chat: bool = arg(False, "build the tiny models as Qwen2 chat models (BPE, a Qwen-style template, JSON "
                      "tool calls): the path real instruct models take")
     cold_start: ColdStart = arg(ColdStart(), "the supervised cold start on scripted demos, the stand-in for "
-                                "the paper's stage 1 (cold_start.py): a preset (demo, none, chat), a number of "
+                                "the paper's stage 1 (cold_start.py): a preset (demo, none, chat, smollm2), a number of "
                                 "steps, or a JSON object of ColdStart's fields, inline or in a file; demo: 600 "
                                 "steps for a model built here, none for a model given", type=parse_cold_start)
     lora_rank: int = arg(0, "LoRA: each agent's base frozen, an adapter of this rank on it; 0: no LoRA")

@@ -24,6 +24,8 @@ each distinct token once (a prompt that a step's conversations share, once per s
 
     python -m benchmarks.bench_generate                  # CPU, the default demo's models
     python -m benchmarks.bench_generate --device cuda --models runs/gpu_check/models --chat --bf16
+    python -m benchmarks.bench_generate --models <run>/ --questions 2 --group-size 4 --max-new-tokens 48
+        # the agents of a run (its main/ and sub/), e.g. SmolLM2 after its cold start
 
 Figures are wall-clock on whatever machine runs it; compare the rows of one run.
 """
@@ -119,7 +121,8 @@ def record(b, folder):
     """Cold-start two agents briefly, run b.steps M-GRPO steps, save the agents and every call."""
     cold = {"steps": b.sft_steps, **({"batch": 16} if b.chat else {})}
     argv = ["--model-size", b.model_size, "--cold-start", json.dumps(cold), "--device", b.device,
-            "--max-new-tokens", str(b.max_new_tokens)] + (["--chat"] if b.chat else [])
+            "--max-new-tokens", str(b.max_new_tokens), "--questions-per-step", str(b.questions),
+            "--group-size", str(b.group_size)] + (["--chat"] if b.chat else [])
     args = mgrpo.parse_args(argv)
     search = toy_tools.ToySearch()
     agents = {name: load_agent(os.path.join(b.models, name) if b.models else "", args, toy_tools, seed)
@@ -248,6 +251,8 @@ def main():
     p.add_argument("--model-size", default="0.2M", choices=list(SIZES))
     p.add_argument("--chat", action="store_true", help="chat models (Qwen2, byte-level BPE), long contexts")
     p.add_argument("--steps", type=int, default=3, help="M-GRPO steps whose generate calls are recorded")
+    p.add_argument("--questions", type=int, default=8, help="questions per recorded step")
+    p.add_argument("--group-size", type=int, default=8, help="rollouts per question (K) in the recorded steps")
     p.add_argument("--sft-steps", type=int, default=300, help="cold-start steps before recording")
     p.add_argument("--models", default="", help="a folder with main/ and sub/ to record with (no cold start)")
     p.add_argument("--max-new-tokens", type=int, default=0, help="per turn; 0: mgrpo.py's default")

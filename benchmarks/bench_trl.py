@@ -25,6 +25,7 @@ import transformers
 
 import agents
 import mgrpo
+import tiny_models
 import toy_tools
 from agents import Traj
 
@@ -43,7 +44,7 @@ def build(size, tok):
     cfg = transformers.Qwen2Config(vocab_size=len(tok), tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
                                    eos_token_id=tok.eos_token_id, bos_token_id=None, max_position_embeddings=256,
                                    **dict(zip(("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                               "num_key_value_heads", "intermediate_size"), agents.SIZES[size])))
+                                               "num_key_value_heads", "intermediate_size"), tiny_models.SIZES[size])))
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
@@ -114,7 +115,7 @@ def main():
               "  pip install torch==2.13.0 -r requirements.txt trl")
         return 0
     transformers.utils.logging.set_verbosity_error()
-    tok = agents.word_tokenizer(toy_tools.WORDS)
+    tok = tiny_models.word_tokenizer(toy_tools.WORDS)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{torch.get_num_threads()} threads; 8 prompts x 8 completions x up to {b.new_tokens} new tokens; "
           f"median of {b.steps} steps after 3 warm-up steps")

@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import agents
+import tiny_models
 import tools
 import toy_tools as tt
 
@@ -173,7 +173,7 @@ def test_reward_checkers():
 
 
 def test_noisy_demos_are_noisy_and_in_vocabulary():
-    tok = agents.word_tokenizer(tt.WORDS)
+    tok = tiny_models.word_tokenizer(tt.WORDS)
     rng = random.Random(0)
     right = []
     for s in range(400):

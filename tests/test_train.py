@@ -132,7 +132,7 @@ def test_a_bad_cold_start_is_a_clear_error_naming_its_file_and_line(tmp_path, ca
             mgrpo.parse_args(["--cold-start", str(spec)])
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, (spec, err[-300:])
-        assert "argument --cold-start" in err and "give a preset (demo, none, chat)" in err or "not JSON" in err
+        assert "argument --cold-start" in err and "give a preset (demo, none, chat, smollm2)" in err or "not JSON" in err
     assert mgrpo.parse_args(["--cold-start", str(tmp_path / "good.json")]).cold_start == cold_start.ColdStart(
         steps=7, batch=16, bare=0.75, until=0.6)  # over the chat preset
     assert mgrpo.parse_args(["--cold-start", "none"]).cold_start.steps == 0

@@ -227,7 +227,9 @@ def print_plan(args, agents, out):
     total = 0.0
     for n, a in agents.items():
         kind = agent_kinds(args)[n]
-        obs = 30 if kind == "main" else (VISIT_CHARS // 3 if a.chat else 60)  # tokens per tool result
+        # tokens per tool result: S's answer in M's context; a search's results or a visited page, whose
+        # text the http tool cuts to VISIT_CHARS (the toy task's in-process results are a dozen short lines)
+        obs = 30 if kind == "main" else (VISIT_CHARS // 3 if args.search != "toy" else 200) if a.chat else 60
         turns = args.sub_max_turns if kind == "sub" else args.main_max_turns
         longest = len(prompt_ids(a, kind, "x" * 40)) + turns * (a.max_new + obs)
         rows = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)

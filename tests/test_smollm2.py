@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import cold_start
 import mgrpo
 import sampling
 import smollm2
@@ -176,3 +177,21 @@ def test_the_memory_estimate_is_within_a_quarter_of_one_training_steps_peak(smol
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])["results"]["masked"]
     assert r["params"] == 134_515_008 and abs(r["estimate_gib"] / r["peak_gib"] - 1) <= 0.25, r
+
+
+@pytest.mark.real
+def test_a_tool_call_sampled_by_the_cold_started_model_parses(smol):
+    """Untrained, SmolLM2 writes prose, no action; after a few cold-start steps on the toy task's demos,
+    rendered through its own template, its greedy first turn is a tool call that the chat parser reads,
+    asking for the question's first hop."""
+    args = mgrpo.parse_args(["--main-model", "smollm2", "--max-new-tokens", "40",
+                             "--cold-start", '{"steps": 8, "batch": 4, "lr": 1e-4}'])
+    agent = load_agent("smollm2", args, toy_tools)
+    qs = [toy_tools.make_question(mgrpo.EVAL_SEED + i, 1) for i in range(4)]
+    contexts = [prompt_ids(agent, "main", q.text) for q in qs]
+
+    def first_turns():
+        return [mgrpo.turn_action(agent, new, ended, "main") for new, _, ended in generate(agent, contexts, 40, 0, True)]
+    assert first_turns() == [None] * 4
+    cold_start.cold_start(agent, "main", args, toy_tools, 0, 8)
+    assert first_turns() == [("call", f"city of {q.text.split()[-2]}") for q in qs]

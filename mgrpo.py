@@ -624,8 +624,10 @@ def main(argv=None):
     search = run.search_tool(args, task)  # probed: a server that is down stops the run here
     load = functools.partial(load_agent, args=args, task=task)
     with own_out(args, out), run.open_store(args) as store:  # checked before they are touched
+        run.doing(store, "loading its models")
         agents, start, n_lines, sft_done = resume_or_start(args, out, load)
         run.print_plan(args, agents, out)
+        run.doing(store, "its cold start or its first checks")
         check = functools.partial(cold_start_check, agents=agents, args=args, task=task,
                                   search=search)
         before_rl(agents, args, task, out, sft_done, check)  # the cold start, when one is due

@@ -217,6 +217,13 @@ def open_store(args):
     return store
 
 
+def doing(store, what):
+    """What this role does before its schedule, published in its heartbeat: a peer that gives up on
+    it (FileStore.START_LIMIT) names it."""
+    if store:
+        store.doing = what
+
+
 def print_plan(args, agents, out):
     """What this process runs, and each agent's memory estimate."""
     sizes = ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M params"

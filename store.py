@@ -28,10 +28,12 @@ class FileStore:
     times on its own clock (the machines' clocks need not agree): a peer whose counter stood still
     for `timeout` s is gone. A wait for one record of a live peer that is in the schedule ends after
     `progress_timeout` s (0: never; -1, auto: AUTO_FACTOR times the slowest phase this role has seen,
-    at least AUTO_FLOOR s). Both raise StoreError.
+    at least AUTO_FLOOR s); a peer that is still starting (loading, its cold start: what it does is
+    in its heartbeat, `doing`) gets `progress_timeout` s too, or, auto, START_LIMIT s. Both raise
+    StoreError.
     """
     KEY, MAX_BYTES = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"), 64 * 2 ** 20
-    AUTO_FLOOR, AUTO_FACTOR = 1800.0, 10.0
+    AUTO_FLOOR, AUTO_FACTOR, START_LIMIT = 1800.0, 10.0, 7200.0
 
     def __init__(self, root, run_id, role, timeout=60.0, progress_timeout=-1.0):
         self.dir, self.role = os.path.join(root, self.check(run_id)), role
@@ -41,6 +43,7 @@ class FileStore:
         self.io_time = 0.0     # seconds spent reading and writing records, not waiting
         self.phase = -1        # published in the heartbeat: the schedule position worked on (-1: starting)
         self.saved = 0         # published too: the schedule position of the last checkpoint
+        self.doing = "starting"  # published too, while phase is -1: what this role does before its schedule
         self.slowest = 0.0     # the longest phase this role has seen, in seconds
         self.phase_start = time.monotonic()
         self.beat_error = None  # set by the heartbeat thread when its writes keep failing
@@ -122,11 +125,12 @@ class FileStore:
             raise StoreError(f"store {self.dir}: record {key} is not a JSON object of at most {self.MAX_BYTES} bytes")
         return rec
 
-    def progress_limit(self):
-        """Seconds a wait for one record of a live peer may take (0: no limit)."""
+    def progress_limit(self, starting=False):
+        """Seconds a wait for one record of a live peer may take (0: no limit); `starting`: of a peer
+        that has not entered its schedule yet."""
         if self.progress_timeout >= 0:
             return self.progress_timeout
-        return max(self.AUTO_FLOOR, self.AUTO_FACTOR * self.slowest)
+        return self.START_LIMIT if starting else max(self.AUTO_FLOOR, self.AUTO_FACTOR * self.slowest)
 
     def wait(self, *keys):
         """(key, record) of the first of `keys` present; polls, watching the peer's heartbeat."""
@@ -143,19 +147,25 @@ class FileStore:
             delay = min(2 * delay, 0.02)
 
     def check_progress(self, keys, heartbeat, waited):
-        """StoreError if the live peer has been in one phase of the schedule for all of `waited`
-        (counted from the later of the wait's start and the peer's entering that phase) and that is
-        past the progress limit. A peer still starting (phase -1: loading, its cold start) is not
-        held to it."""
-        limit, phase = self.progress_limit(), heartbeat.get("phase")
-        if not limit or waited <= limit or type(phase) is not int or phase < 0:
+        """StoreError if the live peer has been in one phase of the schedule, or still starting (phase -1:
+        loading, its cold start), for all of `waited` (counted from the later of the wait's start and the
+        peer's entering that phase) and that is past the progress limit."""
+        phase = heartbeat.get("phase")
+        if type(phase) is not int:
             return
-        how = ("progress_timeout" if self.progress_timeout >= 0 else
-               f"{self.AUTO_FACTOR:g} x this role's slowest phase so far, at least AUTO_FLOOR = {self.AUTO_FLOOR:g} s")
+        limit = self.progress_limit(starting=phase < 0)
+        if not limit or waited <= limit:
+            return
+        auto = ("START_LIMIT" if phase < 0 else
+                f"{self.AUTO_FACTOR:g} x this role's slowest phase so far, at least AUTO_FLOOR")
+        how = "progress_timeout" if self.progress_timeout >= 0 else f"{auto} = {limit:g} s, in store.py"
+        where = (f"has not started its schedule (it was {str(heartbeat.get('doing'))[:200]})" if phase < 0
+                 else f"stays in phase {phase} of the schedule")
         raise StoreError(f"waited {waited:.0f} s for record {' or '.join(keys)} in {self.dir}; the {self.peer} role "
-                         f"is alive but stays in phase {phase} of the schedule (the limit was {limit:.0f} s: {how}). "
-                         "If that phase can take longer, raise FileStore.AUTO_FLOOR in store.py and restart both "
-                         "roles with --resume")
+                         f"is alive but {where} (the limit was {limit:.0f} s: {how}). If it can take longer, raise "
+                         + ("progress_timeout" if self.progress_timeout >= 0 else
+                            f"FileStore.{'START_LIMIT' if phase < 0 else 'AUTO_FLOOR'} in store.py")
+                         + " and restart both roles with --resume")
 
     def check_peer(self):
         """The peer's heartbeat ({} if unreadable); StoreError if its counter has not moved for `timeout`
@@ -189,7 +199,7 @@ class FileStore:
             count += 1
             try:
                 self.write(f"heartbeat-{self.role}", {"count": count, "pid": os.getpid(), "phase": self.phase,
-                                                      "saved": self.saved})
+                                                      "saved": self.saved, "doing": self.doing})
                 failing = None
             except OSError as e:
                 if failing is None:

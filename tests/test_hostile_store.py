@@ -278,3 +278,27 @@ def test_metrics_are_rewritten_atomically_on_resume(tmp_path, monkeypatch):
         mgrpo.main(SHORT + ["--out", str(out), "--resume"])
     monkeypatch.setattr(builtins, "open", real_open)
     assert path.read_text().splitlines() == lines  # whole, as before the crash
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_a_live_peer_that_never_starts_its_schedule_is_named(tmp_path, monkeypatch, explicit):
+    """A peer alive (its heartbeat ticks) but still at phase -1, hung while loading or in its cold start:
+    the wait ends at progress_timeout when one is given, else at START_LIMIT, naming what it was doing."""
+    if not explicit:
+        monkeypatch.setattr(FileStore, "START_LIMIT", 2.0)
+    st = FileStore(str(tmp_path), "r", "main", timeout=30.0, progress_timeout=2.0 if explicit else -1.0)
+    assert st.progress_limit(starting=True) == 2.0
+    assert st.progress_limit() == (2.0 if explicit else FileStore.AUTO_FLOOR)
+    stop = threading.Event()
+    fake_peer(st.dir, "sub", stop, beat=lambda n: {"count": n, "phase": -1, "doing": "its cold start"})
+    how = "progress_timeout" if explicit else "START_LIMIT = 2 s"
+    fix = "progress_timeout" if explicit else "FileStore.START_LIMIT"
+    try:
+        t0 = time.time()
+        with pytest.raises(StoreError, match=rf"p000000-t0-results.*has not started its schedule \(it was its cold "
+                                             rf"start\).*the limit was 2 s: {how}.*raise {fix}"):
+            st.wait("p000000-t0-results")
+        assert 2.0 <= time.time() - t0 < 6
+    finally:
+        stop.set()
+        st.close()

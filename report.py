@@ -22,13 +22,16 @@ class Log:
         self.args, self.agents, self.out, self.store = args, agents, out, store
         self.n_phases, self.lines, self.io_mark = n_phases, n_lines, store.io_time if store else 0.0
         self.track, self.close = tracker(args, out)
-        self.flat = {}  # steps in a row in which every group of an agent was zero-variance
+        self.streaks, self.rows = {}, self.read_rows()  # the collapse alarm's: steps in a row of each signature
+        for row in self.rows:  # as they were before a resume
+            alarms(self.streaks, row, args.mode != "single-agent")
 
     def phase_done(self, idx, kind, step, rec):
         """rec: the phase's metrics, or None (the sub role's evaluations)."""
         if rec is not None:
             if self.store:  # seconds of this phase in the store's reads and writes
                 rec["t_store"] = self.store.io_time - self.io_mark
+            rec.update(self.watch(rec))
             with open(os.path.join(self.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
@@ -36,8 +39,9 @@ class Log:
             self.lines += 1
             self.track(rec)
             print(progress_line(rec, self.args.steps), flush=True)
-            for line in flat_warnings(self.flat, rec):
-                print(line, flush=True)
+            for key in rec.get("alarm", []):
+                if self.streaks[key] == ALARM_STEPS:  # the full message once; the progress line each step
+                    print(alarm_message(key, rec), flush=True)
         if kind == "eval" or step % self.args.save_every == 0 or idx == self.n_phases - 1:
             save_checkpoint(self.out, self.agents, idx + 1, self.lines)
             if self.store:
@@ -47,6 +51,37 @@ class Log:
                     self.store.prune(min(idx + 1, peer_saved))
         if self.store:  # the next phase's store time counts from here
             self.io_mark = self.store.io_time
+
+
+    def read_rows(self):
+        """The metrics lines this run has written (a resumed run's too)."""
+        path, rows = os.path.join(self.out, "metrics.jsonl"), []
+        with open(path, errors="replace") if os.path.exists(path) else contextlib.nullcontext([]) as f:
+            for n, line in zip(range(1, self.lines + 1), f):
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    rows.append(None)
+                if not isinstance(rows[-1], dict) or not isinstance(rows[-1].get("step"), int):
+                    raise ValueError(f"{path}, line {n}: not a metrics line of this run ({line[:80]!r}); "
+                                     "resume from an untouched output folder, or start afresh")
+        return rows
+
+    def watch(self, rec):
+        """What the collapse alarm adds to a phase's record: a step's alarms (if any); an evaluation's
+        share of zero-variance groups per agent, the mean over the steps since the evaluation before."""
+        if "eval" not in rec:
+            self.rows.append(rec)
+            found = alarms(self.streaks, rec, self.args.mode != "single-agent")
+            return {"alarm": found} if found else {}
+        steps = []
+        for row in reversed(self.rows):  # back to the evaluation before (an evaluation pair shares its steps)
+            if "eval" in row and row["step"] < rec["step"]:
+                break
+            steps += [row] * ("eval" not in row)
+        self.rows.append(rec)
+        return {key: float(np.mean([r[key] for r in steps])) for key in ("zero_var_main", "zero_var_sub")
+                if steps and all(key in r for r in steps)}
 
 
 class UpdateLog:
@@ -135,32 +170,50 @@ def progress_line(rec, steps):
     if "eval" in rec:
         formats = ", ".join(f"{who} {rec[key]:.2f}" for who, key in (("M", "format_main"), ("S", "format_sub"))
                             if rec.get(key) is not None)
+        flat = ", ".join(f"{who} {rec[key]:.2f}" for who, key in (("M", "zero_var_main"), ("S", "zero_var_sub"))
+                         if key in rec)
         return (f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
-                + (f" (format held: {formats})" if formats else ""))
+                + (f" (format held: {formats})" if formats else "")
+                + (f"; zero-variance groups since the last evaluation: {flat}" if flat else ""))
     parts = [("main_reward", "R_M {main_reward:.3f} success {success:.3f} zero-var M {zero_var_main:.2f}"),
              ("sub_reward", "R_S {sub_reward:.3f} zero-var S {zero_var_sub:.2f} dup {n_dup} drop {n_drop}"),
              ("approx_kl_main", "kl {approx_kl_main:.1e} gn {grad_norm_main:.2f}"), ("t_step", "{t_step:.2f}s"),
              ("t_store", "store {t_store:.2f}s")]
     shown = {k: float("nan") if v is None else v for k, v in rec.items()}  # a skipped step's grad norm
-    return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**shown) for key, text in parts if key in rec])
+    return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**shown) for key, text in parts if key in rec]
+                      + [f"ALARM {', '.join(rec.get('alarm', []))}"] * ("alarm" in rec))
 
 
-FLAT_STEPS = 20  # a warning after this many steps in a row without a group that teaches an agent anything
+ALARM_STEPS = 10  # steps in a row with one of these signatures before the collapse alarm
+ALARMS = {
+    "flat_main": "every group of M's K rollouts has had one reward for all its members: M's advantages are "
+                 "all 0 (eq. 10), so M gets no gradient",
+    "flat_sub": "every group of S's D x K aligned sub-trajectories has had one reward for all its members: "
+                "S's advantages are all 0 (eq. 13), so S gets no gradient",
+    "no_delegation": "M has delegated nothing in any rollout: S gets no sub-tasks to learn from, and M "
+                     "answers without a search"}
+ALARM_ADVICE = ("Either every question is solved (success near 1: raise --level) or the policy collapsed "
+                "(every rollout fails the same way), which GRPO cannot undo by itself. Try: resume from a "
+                "checkpoint before the fall with a lower --lr, a larger --group-size, or a longer --cold-start")
 
 
-def flat_warnings(flat, rec):
-    """Warnings for an agent each of whose groups has had one reward for all its members for FLAT_STEPS
-    steps in a row: its advantages are all 0 (eq. 13), so it gets no gradient, whether it solves every
-    question or none. A policy that collapsed to one invalid turn never leaves that state by itself."""
-    lines = []
-    for agent in ("main", "sub"):
-        key = "zero_var_" + agent
-        flat[key] = flat.get(key, 0) + 1 if rec.get(key) == 1.0 else 0
-        if flat[key] == FLAT_STEPS:
-            lines.append(f"warning: for {FLAT_STEPS} steps every group of the {agent} agent had one reward in all "
-                         f"its rollouts, so it got no gradient: it has solved everything or collapsed (success "
-                         f"{rec.get('success', float('nan')):.3f}); a collapse asks for a lower learning rate")
-    return lines
+def alarms(streaks, rec, delegates=True):
+    """The collapse alarm's keys (ALARMS) that hold for a step's record `rec`: a signature seen in each of
+    the last ALARM_STEPS steps. streaks: the steps in a row of each signature, kept between calls.
+    delegates: whether M should delegate (not in single-agent mode)."""
+    if "eval" in rec:
+        return []
+    seen = {"flat_main": rec.get("zero_var_main") == 1.0, "flat_sub": rec.get("zero_var_sub") == 1.0}
+    if delegates and isinstance(rec.get("d_k"), list):
+        seen["no_delegation"] = not any(rec["d_k"])
+    for key, hit in seen.items():
+        streaks[key] = streaks.get(key, 0) + 1 if hit else 0
+    return [key for key in seen if streaks[key] >= ALARM_STEPS]
+
+
+def alarm_message(key, rec):
+    return (f"ALARM {key} for {ALARM_STEPS} steps (success {rec.get('success', float('nan')):.3f}): "
+            f"{ALARMS[key]}. {ALARM_ADVICE}")
 
 
 def report(args, agents, out, t_start, d_rule):

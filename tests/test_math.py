@@ -37,15 +37,23 @@ def test_group_advantages_zero_variance_and_batches():
     assert group_advantages([5.0]).tolist() == [0.0]  # a group of one has no baseline
 
 
-def test_a_long_run_of_zero_variance_steps_is_warned_of_once_per_run_of_steps():
-    from report import FLAT_STEPS, flat_warnings
-    flat, seen = {}, []
-    for step in range(3 * FLAT_STEPS):
-        rec = {"zero_var_main": 1.0 if step != FLAT_STEPS // 2 else 0.5, "zero_var_sub": 1.0, "success": 0.0}
-        seen += [(step, line.split()[8]) for line in flat_warnings(flat, rec)]
-    # S flat from the start; M's streak broken once, so its warning comes later, each once
-    assert seen == [(FLAT_STEPS - 1, "sub"), (FLAT_STEPS // 2 + FLAT_STEPS, "main")]
-    assert flat_warnings({}, {"step": 1}) == []  # a line without the figures (an evaluation's)
+def test_the_collapse_alarm_holds_while_a_signature_lasts_ALARM_STEPS_steps():
+    from report import ALARM_STEPS, alarms
+    streaks, seen = {}, {}
+    for step in range(3 * ALARM_STEPS):
+        rec = {"zero_var_main": 1.0 if step != ALARM_STEPS // 2 else 0.5, "zero_var_sub": 1.0, "success": 0.0,
+               "d_k": [0, 0, 1, 0] if step < 2 * ALARM_STEPS else [0, 0, 0, 0]}
+        for key in alarms(streaks, rec):
+            seen.setdefault(key, []).append(step)
+    # S flat from the start; M's streak broken once, so its alarm comes later; no delegation in the last third
+    assert seen == {"flat_sub": list(range(ALARM_STEPS - 1, 3 * ALARM_STEPS)),
+                    "flat_main": list(range(ALARM_STEPS // 2 + ALARM_STEPS, 3 * ALARM_STEPS)),
+                    "no_delegation": [3 * ALARM_STEPS - 1]}
+    assert alarms({}, {"step": 1, "eval": "sampled", "zero_var_main": 1.0}) == []  # an evaluation's line
+    streaks = {}
+    for _ in range(ALARM_STEPS):  # the single agent delegates nothing by design
+        found = alarms(streaks, {"zero_var_main": 0.5, "d_k": [0, 0]}, delegates=False)
+    assert found == [] and "no_delegation" not in streaks
 
 
 def test_align_worked_example():

@@ -461,3 +461,26 @@ def test_a_killed_run_takes_its_cold_start_workers_with_it(tmp_path):
     while any(_alive(p) for p in workers) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in workers)
+
+
+def test_a_run_in_which_every_rollout_scores_the_same_raises_the_collapse_alarm(tmp_path, capsys):
+    """Models with no cold start never keep the format: every reward is 0, every group has zero variance and
+    M never delegates. From step ALARM_STEPS on, metrics.jsonl and the progress line say so, and the
+    message that says what it means and what to try is printed once per signature."""
+    from report import ALARM_STEPS
+    out = str(tmp_path / "run")
+    n = ALARM_STEPS + 2
+    mgrpo.main(["--steps", str(n), "--cold-start", "none", "--questions-per-step", "2", "--group-size", "2",
+                "--eval-questions", "4", "--eval-every", "5", "--max-new-tokens", "8", "--out", out])
+    rows = metrics(out)
+    assert all(r["main_reward"] == 0 and r["zero_var_main"] == 1.0 and not any(r["d_k"]) for r in rows)
+    assert [r.get("alarm") for r in rows] == [None] * (ALARM_STEPS - 1) + [["flat_main", "no_delegation"]] * 3
+    printed = capsys.readouterr().out
+    assert printed.count("ALARM flat_main for") == 1 and printed.count("ALARM no_delegation for") == 1
+    assert "M's advantages are all 0 (eq. 10)" in printed and "a lower --lr" in printed
+    assert printed.count("| ALARM flat_main, no_delegation") == 3
+    # each evaluation: the share of zero-variance groups over the steps since the one before
+    evals = metrics(out, evals=True)
+    assert [(r["step"], r.get("zero_var_main")) for r in evals] == [
+        (0, None), (0, None), (5, 1.0), (10, 1.0), (n, 1.0), (n, 1.0)]
+    assert "zero-variance groups since the last evaluation: M 1.00" in printed

@@ -249,7 +249,8 @@ def print_plan(args, agents, out):
               f"({mb} x up to {T} tokens; --micro-batch and --grad-checkpointing lower it)", flush=True)
     room = device_gib(args.device)
     print(f"memory estimate of this process: {total:.2f} GiB of the {room:.1f} GiB that {args.device} has: "
-          + ("fits" if total <= 0.9 * room else "may not fit"), flush=True)
+          + ("fits" if total <= 0.9 * room else "may not fit (a bound: every context of a batch at its longest)"),
+          flush=True)
     given = {"main": args.main_model, "sub": args.sub_model}
     if any(given[n] for n in agents):
         steps = args.cold_start.steps

@@ -205,7 +205,8 @@ def replay(b, folder, method):
     rss0 = proc_status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # Linux: resets the peak (VmHWM) to the current RSS
         f.write("5")
-    lat, tokens = [], 0
+    lat, tokens, flop = [], 0, 0.0
+    params = {n: sum(p.numel() for p in a.model.parameters()) for n, a in agents.items()}
     counts.update(prefill=0, prompts=0)
     for _ in range(b.repeat):
         kept.clear()
@@ -215,14 +216,30 @@ def replay(b, folder, method):
             sync()
             lat.append(time.perf_counter() - t0)
             stop = set(agents[c[0]].stop_ids)
-            tokens += sum(next((i + 1 for i, t in enumerate(row) if t in stop), len(row)) for row, _, _ in outs)
+            new = sum(next((i + 1 for i, t in enumerate(row) if t in stop), len(row)) for row, _, _ in outs)
+            tokens, flop = tokens + new, flop + 2 * params[c[0]] * new  # a token's matmuls: 2 x params
     peak = (torch.cuda.max_memory_allocated() / 2 ** 20 if b.device.startswith("cuda")
             else (proc_status("VmHWM") - rss0) / 1024)
     steps = b.repeat * len({c[6] for c in calls})
-    print(json.dumps({"method": method, "calls": len(lat), "tokens": tokens, "seconds": sum(lat),
+    print(json.dumps({"method": method, "calls": len(lat), "tokens": tokens, "flop": flop, "seconds": sum(lat),
                       "median_ms": 1000 * statistics.median(lat), "p90_ms": 1000 * sorted(lat)[int(0.9 * len(lat))],
                       "peak_mib": peak, "prefill_per_step": (counts["prefill"] + counts["prompts"]) / steps
                       if method in ("before", "mgrpo") else None}))
+
+
+def matmul_gflops(device, n=1024, seconds=1.0):
+    """The machine's measured fp32 (or, on a GPU, bf16) matmul rate: what a sampler's rate is held against."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    a @ b
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    sync()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e9
 
 
 def floor_per_step(calls):
@@ -288,15 +305,20 @@ def main():
     print(f"\n{torch.__version__}, transformers {transformers.__version__}, {b.device}, {torch.get_num_threads()} "
           f"threads; {b.models or b.model_size}{' chat' if b.chat else ''}; every recorded call x {b.repeat}, median of "
           f"{b.rounds} rounds")
+    peak = matmul_gflops(b.device)
     print("peak MiB: on a GPU the peak allocated; on a CPU how far the peak RSS rose above the RSS before the replay")
-    print(f"{'sampler':>10} | {'tokens/s':>9} {'vs hf':>6} {'vs before':>9} | {'median ms':>9} {'p90 ms':>7} | "
-          f"{'peak MiB':>8} | {'prefilled tokens per step':>25}")
+    print(f"GFLOP/s: 2 x params per sampled token (prefill and attention left out, so a floor), against this "
+          f"machine's measured {'bf16' if b.device.startswith('cuda') else 'fp32'} matmul rate, {peak:.0f} GFLOP/s")
+    print(f"{'sampler':>10} | {'tokens/s':>9} {'vs hf':>6} {'vs before':>9} | {'GFLOP/s':>7} {'of mm':>5} | "
+          f"{'median ms':>9} {'p90 ms':>7} | {'peak MiB':>8} | {'prefilled tokens per step':>25}")
     speed = {m: r["tokens"] / r["seconds"] for m, r in rows.items()}
     for m, r in rows.items():
         ratios = [f"{speed[m] / speed[base]:{w - 1}.2f}x" if base in speed else " " * (w - 1) + "-"
                   for base, w in (("hf", 6), ("before", 9))]
         prefill = f"{r['prefill_per_step']:25.0f}" if r["prefill_per_step"] is not None else f"{'':>25}"
-        print(f"{m:>10} | {speed[m]:9.0f} {ratios[0]} {ratios[1]} | {r['median_ms']:9.2f} {r['p90_ms']:7.2f} | "
+        rate = r["flop"] / r["seconds"] / 1e9
+        print(f"{m:>10} | {speed[m]:9.0f} {ratios[0]} {ratios[1]} | {rate:7.1f} {100 * rate / peak:4.0f}% | "
+              f"{r['median_ms']:9.2f} {r['p90_ms']:7.2f} | "
               f"{r['peak_mib']:8.1f} | {prefill}")
     with open(os.path.join(folder, "calls.json")) as f:
         print(f"{'floor':>10} | each distinct token once: {floor_per_step(json.load(f)):.0f} prefilled tokens per step")

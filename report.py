@@ -52,7 +52,6 @@ class Log:
         if self.store:  # the next phase's store time counts from here
             self.io_mark = self.store.io_time
 
-
     def read_rows(self):
         """The metrics lines this run has written (a resumed run's too)."""
         path, rows = os.path.join(self.out, "metrics.jsonl"), []

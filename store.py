@@ -156,15 +156,16 @@ class FileStore:
         limit = self.progress_limit(starting=phase < 0)
         if not limit or waited <= limit:
             return
-        auto = ("START_LIMIT" if phase < 0 else
-                f"{self.AUTO_FACTOR:g} x this role's slowest phase so far, at least AUTO_FLOOR")
-        how = "progress_timeout" if self.progress_timeout >= 0 else f"{auto} = {limit:g} s, in store.py"
+        knob = "START_LIMIT" if phase < 0 else "AUTO_FLOOR"
+        how = ("progress_timeout" if self.progress_timeout >= 0 else "START_LIMIT" if phase < 0 else
+               f"{self.AUTO_FACTOR:g} x this role's slowest phase so far, at least AUTO_FLOOR")
         where = (f"has not started its schedule (it was {str(heartbeat.get('doing'))[:200]})" if phase < 0
                  else f"stays in phase {phase} of the schedule")
         raise StoreError(f"waited {waited:.0f} s for record {' or '.join(keys)} in {self.dir}; the {self.peer} role "
-                         f"is alive but {where} (the limit was {limit:.0f} s: {how}). If it can take longer, raise "
-                         + ("progress_timeout" if self.progress_timeout >= 0 else
-                            f"FileStore.{'START_LIMIT' if phase < 0 else 'AUTO_FLOOR'} in store.py")
+                         f"is alive but {where} (the limit was {limit:.0f} s: {how}"
+                         + (")" if self.progress_timeout >= 0 else f" = {limit:g} s, in store.py)")
+                         + ". If it can take longer, raise "
+                         + ("progress_timeout" if self.progress_timeout >= 0 else f"FileStore.{knob} in store.py")
                          + " and restart both roles with --resume")
 
     def check_peer(self):

@@ -122,11 +122,11 @@ def main():
         return 0
     transformers.utils.logging.set_verbosity_error()
     if b.model:  # the toy prompts as the model's chat template writes them, one text for both sides
-        tok = load_tokenizer(smollm2.resolve(b.model))
+        folder = smollm2.resolve(b.model)
+        tok = load_tokenizer(folder)
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
                    for p in PROMPTS]
-        models = {b.model: transformers.AutoModelForCausalLM.from_pretrained(smollm2.resolve(b.model),
-                                                                            dtype=torch.float32).eval()}
+        models = {b.model: transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()}
     else:
         tok, prompts = tiny_models.word_tokenizer(toy_tools.WORDS), PROMPTS
         models = {size: build(size, tok) for size in b.sizes}

@@ -45,20 +45,6 @@ TINY = dict(bench_memory.QWEN25_05B, hidden_size=64, intermediate_size=128, num_
             num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)  # --shape tiny: dry runs
 
 
-def matmul_tflops(device, n=8192, reps=10):
-    """Measured bf16 matmul rate: the practical ceiling next to the datasheet's."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
-
-
 def sync(device):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -314,7 +300,7 @@ def main():
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "size": b.size, "role_args": b.role_args}
     print(f"torch {torch.__version__}, {res['device']}", flush=True)
     models = build(b)
-    peak = matmul_tflops(b.device) if cuda else float("nan")
+    peak = bench_generate.matmul_gflops(b.device, n=8192) / 1000 if cuda else float("nan")  # bf16
     res["matmul_tflops_measured"] = peak
     for name, extra in (("full", []), ("lora", ["--lora-rank", str(b.lora_rank), "--lr", str(10 * b.lr)])):
         if name == "full" or b.lora_rank:

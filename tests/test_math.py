@@ -173,3 +173,17 @@ def test_kl_to_reference_is_k3_and_pulls_towards_the_reference():
     off, _ = mgrpo.policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, ref_logp=ref, kl_coef=0.0)
     plain, _ = mgrpo.policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask)
     assert off.item() == plain.item()  # kl_coef 0 (the default) is exactly the paper's loss
+
+
+def test_a_metrics_line_that_is_not_the_runs_is_named_by_file_and_line_on_resume(tmp_path):
+    """A resumed run replays the collapse alarm's streaks from metrics.jsonl: a garbled line is a clear
+    error naming the file and the line, not a traceback from json."""
+    import mgrpo
+    from report import Log
+    for bad in ("{not json", "[1, 2]", '{"step": "x"}', "\xff\xfe"):
+        (tmp_path / "metrics.jsonl").write_text('{"step": 1, "zero_var_main": 1.0}\n' + bad + "\n",
+                                                errors="surrogateescape")
+        with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a metrics line of this run"):
+            Log(mgrpo.parse_args([]), {}, str(tmp_path), None, 5, 2)
+    log = Log(mgrpo.parse_args([]), {}, str(tmp_path), None, 5, 1)  # the lines a checkpoint covers only
+    assert log.streaks == {"flat_main": 1, "flat_sub": 0}

@@ -121,6 +121,31 @@ def test_micro_batches_normalise_over_the_whole_batch(args, agents, agg):
     assert full.abs().sum() > 1e-3 and torch.allclose(full, micro, atol=1e-6)  # not two zero gradients
 
 
+def test_gradient_clipping_does_not_bound_an_adam_step(args, agents):
+    """AdamW divides by the root of its second moment, so scaling a gradient down (the clip) leaves its
+    first step about as it was: the weights with a gradient well above AdamW's eps move by about lr,
+    whether the gradient's norm is clipped to a hundredth or not at all. What bounds a step is the learning rate
+    (experiments/update_probe.py measures the step of every update of a run)."""
+    demos = [toy_tools.main_demo(toy_tools.make_question(s, 2), random.Random(s), 0.3) for s in range(4)]
+    adv, steps, lr, clip = torch.tensor([1.0, -1.0, 0.5, -0.5]), [], 1e-3, 1e9
+    for _ in range(2):
+        agent = copy.deepcopy(agents[0])
+        agent.opt.param_groups[0]["lr"] = lr
+        trajs = [encode_demo(agent, d, "main") for d in demos]
+        before = [p.detach().clone() for p in agent.model.parameters()]
+        a = copy.deepcopy(args)
+        a.grad_clip = clip
+        norm = mgrpo.update_agent(agent, trajs, adv, a)["grad_norm"]
+        steps.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(agent.model.parameters(), before)]))
+        clip = norm / 100  # the second time: the same gradient, clipped to a hundredth of its norm
+    for d in steps:
+        moved = d[d.abs() > lr / 10]
+        decay = args.weight_decay * max(float(b.abs().max()) for b in before)  # AdamW's decay: lr x wd x |w|
+        assert 0.99 * lr < float(d.abs().max()) < (1.01 + decay) * lr and float(moved.abs().median()) > 0.5 * lr
+        assert len(moved) > 0.5 * len(d)
+    assert steps[1].norm() > 0.5 * steps[0].norm()  # a gradient a hundred times smaller, a step about as large
+
+
 def test_a_non_finite_step_is_skipped_and_three_in_a_row_stop_the_run(args, agents, capsys):
     """A NaN loss changes no weight and no optimizer state: the step is skipped, with a warning,
     and counted in the update's stats; MAX_SKIPPED in a row stop the run, a good one in between

@@ -1,4 +1,4 @@
-"""The probes of experiments/ (sub_probe, first_errors, answer_margin): what they read, on hand-made
+"""The probes of experiments/ (sub_probe, first_errors, answer_margin, update_probe): what they read, on hand-made
 trajectories and on the cold-started agents."""
 import json
 import os
@@ -13,7 +13,7 @@ import cold_start
 import helpers
 import mgrpo
 import toy_tools
-from experiments import answer_margin, first_errors, sub_probe
+from experiments import answer_margin, first_errors, sub_probe, update_probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -181,6 +181,25 @@ def test_answer_margin_reads_where_m_answers(cold_start_dir, capsys):
     assert all(abs(g - (a - b)) < 1e-4 for g, (a, b) in zip(got, last)) and len(last) > 0
     with pytest.raises(SystemExit):
         answer_margin.main(["--main-model", cold_start_dir["main"]])  # no sub-agent to run
+
+
+def test_update_probe_measures_each_update_of_each_agent(cold_start_dir, tmp_path):
+    """One line per update of each agent, after its step; an agent's first update with a signal moves
+    some weight by about lr however hard its gradient is clipped (AdamW's first step is lr times the
+    gradient's sign); and mgrpo's functions are its own again after the probe."""
+    argv = ["--level", "1", "--cold-start", "0", "--steps", "2", "--questions-per-step", "4", "--eval-questions", "8",
+            "--grad-clip", "0.001", "--main-model", cold_start_dir["main"], "--sub-model", cold_start_dir["sub"],
+            "--out", str(tmp_path / "probe")]
+    update_agent = mgrpo.update_agent
+    with open(update_probe.main(argv)) as f:
+        recs = [json.loads(line) for line in f]
+    assert mgrpo.update_agent is update_agent
+    assert [(r["agent"], r["step"]) for r in recs] == [("main", 1), ("sub", 1), ("main", 2), ("sub", 2)]
+    for r in recs:
+        assert 0 <= r["rows_signal"] <= r["rows"] and r["tokens_signal"] >= r["rows_signal"] and r["step_norm"] > 0
+        assert (r["grad_rms_over_v"] is None) == (r["step"] == 1)  # AdamW has a second moment from its 2nd step
+    first = [r for r in recs if r["step"] == 1 and r["rows_signal"]]
+    assert first and all(0.99 < r["step_max_over_lr"] < 1.5 and r["grad_norm"] > 0.001 for r in first)
 
 
 def test_curves_reads_each_runs_steps_and_evaluations_and_draws_them(tmp_path):

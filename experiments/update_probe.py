@@ -13,6 +13,9 @@ they are) with every update of each agent measured, one JSON line per update in 
   step_rms_over_lr     the parameter change's RMS over the learning rate
   step_max_over_lr     the largest per-tensor max |change| over the learning rate, and its tensor
   step_norm            the parameter change's norm
+  kl_batch, dlogp_max  what the update did to the policy on its own batch: the mean over the trained
+                       tokens of log p_old - log p_new (the sampling log-probs against the updated
+                       model's), and the largest |log p_new - log p_old| of a trained token
 
 experiments/paper.md uses it on the stage 1 whose co-train runs fell:
 
@@ -24,6 +27,7 @@ import os
 import torch
 
 import mgrpo
+from sampling import collate, token_logprobs
 
 
 def adam_v_rms(opt, params):
@@ -36,6 +40,14 @@ def adam_v_rms(opt, params):
             sq += float((state["exp_avg_sq"] / (1 - beta2 ** t)).sum())
             n += p.numel()
     return (sq / n) ** 0.5 if n else None
+
+
+@torch.no_grad()
+def policy_moved(agent, trajs):
+    """How far the updated model's log-probs of the batch's trained tokens are from the sampling ones."""
+    ids, attn, mask, old = collate(trajs, agent.pad_id, agent.model.device)
+    diff = (old - token_logprobs(agent.model, ids, attn, mask).float()) * mask
+    return {"kl_batch": float(diff.sum() / mask.sum().clamp(min=1)), "dlogp_max": float(diff.abs().max())}
 
 
 def probe(update_agent, names, current, path):
@@ -57,6 +69,7 @@ def probe(update_agent, names, current, path):
                ** 0.5 / lr, "step_max_over_lr": float(deltas[worst].abs().max()) / lr,
                "step_max_tensor": [n for n, p in agent.model.named_parameters() if p is params[worst]][0],
                "step_norm": sum(float((d ** 2).sum()) for d in deltas) ** 0.5}
+        rec.update(policy_moved(agent, trajs))
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return out

@@ -198,6 +198,7 @@ def test_update_probe_measures_each_update_of_each_agent(cold_start_dir, tmp_pat
     for r in recs:
         assert 0 <= r["rows_signal"] <= r["rows"] and r["tokens_signal"] >= r["rows_signal"] and r["step_norm"] > 0
         assert (r["grad_rms_over_v"] is None) == (r["step"] == 1)  # AdamW has a second moment from its 2nd step
+        assert r["dlogp_max"] >= abs(r["kl_batch"]) and r["dlogp_max"] > 0  # the update moved the policy
     first = [r for r in recs if r["step"] == 1 and r["rows_signal"]]
     assert first and all(0.99 < r["step_max_over_lr"] < 1.5 and r["grad_norm"] > 0.001 for r in first)
 

@@ -78,7 +78,10 @@ class Args:
                           "'clip-higher', as the authors ran it)")
     loss_agg: str = arg("seq-mean", "seq-mean: over each row's tokens, then over rows; token-mean")
     ppo_epochs: int = arg(1, "passes over each batch; with 1 the ratio is 1 and the clip never acts")
-    grad_clip: float = arg(1.0, "max gradient norm per agent")
+    grad_clip: float = arg(1.0, "max gradient norm per agent (it does not bound AdamW's step: lr does)")
+    max_kl: float = arg(0.0, "largest KL per trained token, on its own batch, by which one update may move a "
+                        "policy from the one that sampled; a step past it is halved until within; 0: off (the "
+                        "paper has none)")
     kl_coef: float = arg(0.0, "k3 KL to a frozen copy of each agent as RL starts (0, as the paper)")
     main_max_turns: int = arg(4, "M's turns per rollout: its delegations and the answer")
     sub_max_turns: int = arg(3, "S's turns per sub-task: its tool calls and the answer")
@@ -338,8 +341,11 @@ def update_agent(agent, trajs, adv, args):
         for _ in range(args.ppo_epochs):
             agent.opt.zero_grad(set_to_none=True)
             finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log)
+            before = [p.detach().clone() for p in agent.opt.param_groups[0]["params"]] if args.max_kl else None
             with log.timed("t_bwd", sync=True):  # the clip and the step count with the backward pass
                 grad_norm = clip_and_step(agent, finite, args.grad_clip, log)
+            if before is not None:
+                log.rec["kl_step"], log.rec["halved"] = within_kl(agent, batch, before, args.max_kl, args.micro_batch)
     skipped_in_a_row(agent, log.rec["skipped"])
     return log.result(grad_norm)
 
@@ -356,6 +362,29 @@ def clip_and_step(agent, finite, max_norm, log):
     else:
         log.rec["skipped"] += 1
     return grad_norm
+
+
+MAX_HALVINGS = 10  # --max-kl: a step halved this often is 1/1024 of AdamW's
+
+
+@torch.no_grad()
+def within_kl(agent, batch, before, max_kl, micro_batch=0):
+    """--max-kl, a trust region the paper does not have: AdamW moves every weight by about lr whatever the
+    gradient, and with one epoch per batch the ratio's clip (eq. 14-19) never acts, so nothing else bounds
+    how far one update moves the policy (experiments/stage2-probes.md). While the batch's mean log p_old -
+    log p_new over its trained tokens exceeds max_kl, the step goes halfway back to `before`, up to
+    MAX_HALVINGS times. AdamW's moments keep this gradient. Returns (that KL, the halvings)."""
+    ids, attn, mask, old = batch
+    mb, params = micro_batch or len(ids), agent.opt.param_groups[0]["params"]
+    for halvings in range(MAX_HALVINGS + 1):
+        with agent.autocast():
+            new = torch.cat([token_logprobs(agent.model, ids[s:s + mb], attn[s:s + mb], mask[s:s + mb])
+                             for s in range(0, len(ids), mb)])
+        kl = float(((old - new.float()) * mask).sum() / mask.sum().clamp(min=1))
+        if kl <= max_kl or halvings == MAX_HALVINGS:
+            return kl, halvings
+        for p, b in zip(params, before):
+            p.lerp_(b, 0.5)
 
 
 MAX_SKIPPED = 3  # updates in a row whose loss or gradient is not finite, before the run stops

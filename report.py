@@ -117,7 +117,8 @@ class UpdateLog:
 
 
 # what each agent's update logs, as <name>_main and <name>_sub
-UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences", "skipped")
+UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences", "skipped", "kl_step",
+                "halved")
 
 
 def agent_record(name, update):

@@ -146,6 +146,35 @@ def test_gradient_clipping_does_not_bound_an_adam_step(args, agents):
     assert steps[1].norm() > 0.5 * steps[0].norm()  # a gradient a hundred times smaller, a step about as large
 
 
+def test_max_kl_halves_a_step_until_the_policy_moved_less_than_it(args, agents):
+    """--max-kl: a step that moves the policy's log-probs of its own batch (sampled by the model before
+    the step) by more than max_kl per trained token is halved until it does not: the weights end at
+    before + step / 2^halvings, and the KL it reports is the batch's."""
+    agent = copy.deepcopy(agents[0])
+    demos = [toy_tools.main_demo(toy_tools.make_question(s, 2), random.Random(s), 0.3) for s in range(4)]
+    trajs = [encode_demo(agent, d, "main") for d in demos]
+    ids, attn, mask, _ = collate(trajs, agent.pad_id, "cpu")
+    with torch.no_grad():
+        old = token_logprobs(agent.model, ids, attn)
+    for t, row in zip(trajs, old):
+        t.logp = row[:len(t.ids)].tolist()  # as sampled by this very model
+    adv, a = torch.tensor([1.0, -1.0, 0.5, -0.5]), copy.deepcopy(args)
+    a.grad_clip, a.max_kl = 1e9, 0.0
+    free = copy.deepcopy(agent)
+    free.opt.param_groups[0]["lr"] = agent.opt.param_groups[0]["lr"] = 1e-2  # a large step
+    before = [p.detach().clone() for p in agent.model.parameters()]
+    mgrpo.update_agent(free, trajs, adv, a)
+    a.max_kl = 1e-3
+    rec = mgrpo.update_agent(agent, trajs, adv, a)
+    assert rec["halved"] >= 1 and 0 <= rec["kl_step"] <= 1e-3
+    scale = 0.5 ** rec["halved"]
+    for p, q, b in zip(agent.model.parameters(), free.model.parameters(), before):
+        assert torch.allclose(p, b + scale * (q - b), atol=1e-6)
+    with torch.no_grad():
+        new = token_logprobs(agent.model, ids, attn)
+    assert abs(float(((old - new) * mask).sum() / mask.sum()) - rec["kl_step"]) < 1e-5
+
+
 def test_a_non_finite_step_is_skipped_and_three_in_a_row_stop_the_run(args, agents, capsys):
     """A NaN loss changes no weight and no optimizer state: the step is skipped, with a warning,
     and counted in the update's stats; MAX_SKIPPED in a row stop the run, a good one in between

@@ -194,7 +194,8 @@ ALARMS = {
                      "answers without a search"}
 ALARM_ADVICE = ("Either every question is solved (success near 1: raise --level) or the policy collapsed "
                 "(every rollout fails the same way), which GRPO cannot undo by itself. Try: resume from a "
-                "checkpoint before the fall with a lower --lr, a larger --group-size, or a longer --cold-start")
+                "checkpoint before the fall with --max-kl 0.05 (a bound on how far one update moves the policy), "
+                "a lower --lr, a larger --group-size, or a longer --cold-start")
 
 
 def alarms(streaks, rec, delegates=True):

@@ -16,7 +16,9 @@ What the algorithm really is, per training step:
   5. A_S: R_S standardised over the D*K aligned sub-trajectories of a question (eq. 12-13).
   6. Each agent takes its own clipped policy-gradient step (eq. 14-19): token-level ratio,
      asymmetric clip, no KL, no entropy bonus. With one epoch per batch (the default) the ratio is
-     1: REINFORCE with a per-agent group baseline (S under --mode unsync excepted).
+     1: REINFORCE with a per-agent group baseline (S under --mode unsync excepted). Not in the paper
+     and off by default: --kl-coef (a KL penalty to the agent as RL started) and --max-kl (a trust
+     region: a step that moves the policy too far on its own batch is halved).
   7. M's side hands S's side a few statistics per rollout (the paper's Fig. 3): in memory when one
      process holds both agents, through a file store with --role main / sub. No gradient and no
      tensor crosses between the agents.

@@ -50,7 +50,7 @@ from agents import Traj, load_agent, message_ids, new_traj
 from checkpoints import own_out, resume_or_start
 from cold_start import ColdStart, before_rl, parse_cold_start
 from report import Log, UpdateLog, agent_record, report, step_record
-from sampling import Kept, collate, generate, reference_logprobs, token_logprobs
+from sampling import Kept, batch_logprobs, collate, generate, reference_logprobs, token_logprobs
 from records import exchange_ok, phase_key, results_ok, store_record, tasks_ok
 from store import StoreError
 from tools import FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
@@ -376,16 +376,13 @@ def within_kl(agent, batch, before, max_kl, micro_batch=0):
     how far one update moves the policy (experiments/stage2-probes.md). While the batch's mean log p_old -
     log p_new over its trained tokens exceeds max_kl, the step goes halfway back to `before`, up to
     MAX_HALVINGS times. AdamW's moments keep this gradient. Returns (that KL, the halvings)."""
-    ids, attn, mask, old = batch
-    mb, params = micro_batch or len(ids), agent.opt.param_groups[0]["params"]
+    _, _, mask, old = batch
     for halvings in range(MAX_HALVINGS + 1):
-        with agent.autocast():
-            new = torch.cat([token_logprobs(agent.model, ids[s:s + mb], attn[s:s + mb], mask[s:s + mb])
-                             for s in range(0, len(ids), mb)])
+        new = batch_logprobs(agent, agent.model, batch, micro_batch)
         kl = float(((old - new.float()) * mask).sum() / mask.sum().clamp(min=1))
         if kl <= max_kl or halvings == MAX_HALVINGS:
             return kl, halvings
-        for p, b in zip(params, before):
+        for p, b in zip(agent.opt.param_groups[0]["params"], before):
             p.lerp_(b, 0.5)
 
 

@@ -286,11 +286,18 @@ def reference_logprobs(agent, batch, micro_batch=0):
     """--kl-coef: the frozen reference's log-probs of a collated batch, micro-batch by micro-batch,
     without gradient: a copy of the agent as RL started (agent.ref), or with LoRA its own base, the
     adapter switched off."""
+    off = agent.peft.disable_adapter() if agent.peft else contextlib.nullcontext()
+    with off:
+        return batch_logprobs(agent, agent.model if agent.ref is None else agent.ref, batch, micro_batch)
+
+
+@torch.no_grad()
+def batch_logprobs(agent, model, batch, micro_batch=0):
+    """token_logprobs of a collated batch where its loss mask is 1, micro-batch by micro-batch, without
+    gradient, under the agent's autocast."""
     ids, attn, mask, _ = batch
     mb = micro_batch or len(ids)
-    off = agent.peft.disable_adapter() if agent.peft else contextlib.nullcontext()
-    model = agent.model if agent.ref is None else agent.ref
-    with torch.no_grad(), agent.autocast(), off:
+    with agent.autocast():
         return torch.cat([token_logprobs(model, ids[s:s + mb], attn[s:s + mb], mask[s:s + mb])
                           for s in range(0, len(ids), mb)])
 

@@ -17,17 +17,15 @@ they are) with every update of each agent measured, one JSON line per update in 
                        tokens of log p_old - log p_new (the sampling log-probs against the updated
                        model's), and the largest |log p_new - log p_old| of a trained token
 
-experiments/paper.md uses it on the stage 1 whose co-train runs fell:
+experiments/stage2-probes.md uses it on the stage 1 whose co-train runs fell:
 
     python -m experiments.update_probe <the stage-2 run's mgrpo.py options> --out <folder>
 """
 import json
 import os
 
-import torch
-
 import mgrpo
-from sampling import collate, token_logprobs
+from sampling import batch_logprobs, collate
 
 
 def adam_v_rms(opt, params):
@@ -42,11 +40,11 @@ def adam_v_rms(opt, params):
     return (sq / n) ** 0.5 if n else None
 
 
-@torch.no_grad()
 def policy_moved(agent, trajs):
     """How far the updated model's log-probs of the batch's trained tokens are from the sampling ones."""
-    ids, attn, mask, old = collate(trajs, agent.pad_id, agent.model.device)
-    diff = (old - token_logprobs(agent.model, ids, attn, mask).float()) * mask
+    batch = collate(trajs, agent.pad_id, agent.model.device)
+    _, _, mask, old = batch
+    diff = (old - batch_logprobs(agent, agent.model, batch).float()) * mask
     return {"kl_batch": float(diff.sum() / mask.sum().clamp(min=1)), "dlogp_max": float(diff.abs().max())}
 
 

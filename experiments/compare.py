@@ -21,8 +21,9 @@ every arm starts from that stage 1 and trains --stage2-steps on harder questions
   unsync   level 2, as paper: co-train against unsync
   single   level 3 (4 hops, 11 or 12 noisy snippets), where a single agent's context grows to about
            230 tokens while M's stays near 50: co-train against single-agent
-Every experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0, and adds a KL penalty to the
-stage-1 agents (--kl-coef 0.04), which the paper does not have (experiments/README.md says why).
+Every experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0, adds a KL penalty to the stage-1
+agents (--kl-coef 0.04) and halves any update that moved a policy by more than 0.05 per token on its own
+batch (--max-kl 0.05); the paper has neither (experiments/README.md says why).
 
     python -m experiments.compare --out runs/compare    # 'paper': 5 stage 1s x 3 seeds x 2 arms
     python -m experiments.compare --experiment unsync --out runs/compare --resume
@@ -67,8 +68,11 @@ ARMS = {"co-train": ["--mode", "co-train"],
 # 30 runs fell for good), so RL also keeps each agent near where it started (stage 2: its stage-1 self; stage
 # 1: its cold start) with a k3 KL penalty, 0.04 as in DeepSeekMath's GRPO; the paper has none. Stage 1's RL
 # had neither until it broke M's level-2 plan for 2 of 5 stage 1s (experiments/README.md). mgrpo.py's
-# --grad-clip also clips the cold start, so a stage 1 with RL steps clips its cold start at 0.1 too
-RL_GUARD = ["--grad-clip", "0.1", "--kl-coef", "0.04"]
+# --grad-clip also clips the cold start, so a stage 1 with RL steps clips its cold start at 0.1 too. Neither bounds
+# how far one update moves the policy, and on stage 1 5 single updates still flipped M's plan (a KL of 0.24 to 0.51
+# per token on their own batch, against a median of 0.001): --max-kl 0.05 halves such a step until it moved less
+# (experiments/stage2-probes.md); the paper has no such bound either
+RL_GUARD = ["--grad-clip", "0.1", "--kl-coef", "0.04", "--max-kl", "0.05"]
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *RL_GUARD], {"levels": [1, 2, 2]}),
     # S at M's learning rate: at 1e-3 it drifted from stage 1 and sync co-training fell below its start;

@@ -56,6 +56,7 @@ class Agent:
     pad_id: int = 0        # the tokenizer's pad, else its eos (padding is found by length anyway)
     end: tuple = (0, 0)    # (id, length of its text) of the stop token that closes an assistant turn
     max_new: int = 12      # new tokens per turn; a turn not ended by then is invalid
+    max_context: int = 0   # tokens a conversation may hold (--max-context); 0: no limit
     chat: bool = False     # a chat model: tools in the system prompt, <tool_call> JSON (else word-level tags)
     system: dict = None    # chat models: the task's system prompt per agent kind (main, sub, single)
     bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights
@@ -140,6 +141,7 @@ def load_agent(name, args, task, seed=0, lr=None):
                  suppress=tuple(sorted({tok.pad_token_id, tok.unk_token_id} - stop - {None})),
                  pad_id=tok.pad_token_id if tok.pad_token_id is not None else min(stop),
                  end=turn_end(tok, stop, name), max_new=args.max_new_tokens or (256 if chat else 12), chat=chat,
+                 max_context=args.max_context,
                  system=task.SYSTEM if chat else None, bf16=args.dtype == "bfloat16",
                  graphs={} if model.device.type == "cuda" else None, recompute=args.grad_checkpointing)
 

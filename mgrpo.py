@@ -88,6 +88,9 @@ class Args:
     main_max_turns: int = arg(4, "M's turns per rollout: its delegations and the answer")
     sub_max_turns: int = arg(3, "S's turns per sub-task: its tool calls and the answer")
     max_new_tokens: int = arg(0, "tokens per turn (a turn not ended by then is invalid); 0: 12, chat 256")
+    max_context: int = arg(0, "tokens each agent's context may hold, alike for M, S and the single agent: a "
+                           "conversation ends unanswered when a tool's result and one more turn would not fit, "
+                           "as a full context window ends a real agent's search; 0: no limit")
     # the task and the models
     task: str = arg("toy_tools", "the task: a module or a .py file (toy_tools.py tells what it holds)",
                     group="the task and the models")
@@ -139,8 +142,11 @@ def agent_loop(agent, kind, trajs, act, max_turns, seed, greedy):
     lockstep, one generate call per turn for those still going. A turn with the final tag ends
     its conversation with a result (ok); one that breaks the format, or calls a tool on the
     last turn, ends it with none. Every other turn is a tool call: act(calls, turn) answers the
-    turn's calls [(index, tag, argument)] with one message each, which enters with mask 0."""
-    active, kept = list(range(len(trajs))), [Kept() for _ in trajs]  # each conversation's KV cache
+    turn's calls [(index, tag, argument)] with one message each, which enters with mask 0 if the
+    context holds it and one more turn (--max-context); if not, the conversation ends unanswered."""
+    def fits(j, more=()):  # --max-context: room for `more` and a whole turn after it
+        return not agent.max_context or len(trajs[j].ids) + len(more) + agent.max_new <= agent.max_context
+    active, kept = [j for j in range(len(trajs)) if fits(j)], [Kept() for _ in trajs]  # kept: each one's KV cache
     for turn in range(max_turns):
         if not active:
             break
@@ -155,9 +161,12 @@ def agent_loop(agent, kind, trajs, act, max_turns, seed, greedy):
             elif action and turn < max_turns - 1:
                 calls.append((j, *action))
         messages = act(calls, turn) if calls else []
+        active = []
         for (j, _, _), message in zip(calls, messages):
-            trajs[j].add(message_ids(agent, "tool", message))
-        active = [j for j, _, _ in calls]
+            ids = message_ids(agent, "tool", message)
+            if fits(j, ids):  # else the context is full: the conversation ends here, unanswered
+                trajs[j].add(ids)
+                active.append(j)
     return trajs
 
 
@@ -529,15 +538,19 @@ def evaluate(main_agent, args, task, delegate, search, greedy=False, first=EVAL_
 
 
 def eval_record(main_agent, args, task, delegate, search, greedy=False, first=EVAL_SEED):
-    """An evaluation's figures: success on the held-out questions, and the share of M's rollouts (or
-    the single agent's) and of S's sub-trajectories whose format held to the end (r_format = 1)."""
-    correct, ok_main, ok_sub = [], [], []
+    """An evaluation's figures: success on the held-out questions, the share of M's rollouts (or the
+    single agent's) and of S's sub-trajectories whose format held to the end (r_format = 1), and the
+    longest context of each (tokens)."""
+    correct, ok_main, ok_sub, n_main, n_sub = [], [], [], [], []
     for batch, trajs, subs in eval_rollouts(main_agent, args, task, delegate, search, greedy, first):
         correct += [t.ok and task.answer_correct(q, t.result) for t, q in zip(trajs, batch)]
         ok_main += [t.ok for t in trajs]
         ok_sub += [s.ok for s in subs]
+        n_main += [len(t.ids) for t in trajs]
+        n_sub += [len(s.ids) for s in subs]
     return {"eval": "greedy" if greedy else "sampled", "eval_success": float(np.mean(correct)),
-            "format_main": float(np.mean(ok_main)), "format_sub": float(np.mean(ok_sub)) if ok_sub else None}
+            "format_main": float(np.mean(ok_main)), "format_sub": float(np.mean(ok_sub)) if ok_sub else None,
+            "longest_main": max(n_main), "longest_sub": max(n_sub, default=None)}
 
 
 def cold_start_check(level, agents, args, task, search):

@@ -87,8 +87,8 @@ def problems(a):
         (a.cold_start.until and a.cold_start.steps == 0, "a cold start's check (until) needs cold-start steps"),
         (a.loss_agg not in ("seq-mean", "token-mean"), "--loss-agg must be seq-mean or token-mean"),
         (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
-        (min(a.steps, a.micro_batch, a.max_new_tokens) < 0 or a.eval_questions < -1,
-         "--steps, --micro-batch, --max-new-tokens must be >= 0, --eval-questions >= -1"),
+        (min(a.steps, a.micro_batch, a.max_new_tokens, a.max_context) < 0 or a.eval_questions < -1,
+         "--steps, --micro-batch, --max-new-tokens, --max-context must be >= 0, --eval-questions >= -1"),
         (a.dtype not in ("float32", "bfloat16"), "--dtype must be float32 or bfloat16"),
         (min(a.kl_coef, a.weight_decay, a.max_kl, *a.clip_eps) < 0,
          "--kl-coef, --weight-decay, --max-kl and --clip-eps must be >= 0"),
@@ -240,6 +240,7 @@ def print_plan(args, agents, out):
         obs = 30 if kind == "main" else (VISIT_CHARS // 3 if args.search != "toy" else 200) if a.chat else 60
         turns = args.sub_max_turns if kind == "sub" else args.main_max_turns
         longest = len(prompt_ids(a, kind, "x" * 40)) + turns * (a.max_new + obs)
+        longest = min(longest, a.max_context or longest)
         rows = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)
         static, act, mb, T = memory_estimate(a, longest, rows, args.micro_batch, args.grad_checkpointing,
                                              args.kl_coef > 0, sampled=turns * a.max_new, lora=args.lora_rank)

@@ -21,6 +21,8 @@ every arm starts from that stage 1 and trains --stage2-steps on harder questions
   unsync   level 2, as paper: co-train against unsync
   single   level 3 (4 hops, 11 or 12 noisy snippets), where a single agent's context grows to about
            230 tokens while M's stays near 50: co-train against single-agent
+  single-budget  as single, every agent's context capped at 160 tokens (--max-context), which one
+           sub-task fits and the single agent's whole search does not
 Every experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0, adds a KL penalty to the stage-1
 agents (--kl-coef 0.04) and halves any update that moved a policy by more than 0.05 per token on its own
 batch (--max-kl 0.05); the paper has neither (experiments/README.md says why).
@@ -28,6 +30,7 @@ batch (--max-kl 0.05); the paper has neither (experiments/README.md says why).
     python -m experiments.compare --out runs/compare    # 'paper': 5 stage 1s x 3 seeds x 2 arms
     python -m experiments.compare --experiment unsync --out runs/compare --resume
     python -m experiments.compare --experiment single --out runs/compare --resume
+    python -m experiments.compare --experiment single-budget --out runs/compare --resume
     python -m experiments.compare --quick               # a very short version, to check the pipeline
 
 Each report in experiments/ gives its own wall time. The cold start rules the cost: one round of a
@@ -73,14 +76,18 @@ ARMS = {"co-train": ["--mode", "co-train"],
 # per token on their own batch, against a median of 0.001): --max-kl 0.05 halves such a step until it moved less
 # (experiments/stage2-probes.md); the paper has no such bound either
 RL_GUARD = ["--grad-clip", "0.1", "--kl-coef", "0.04", "--max-kl", "0.05"]
+SINGLE = ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *RL_GUARD]  # 'single' and 'single-budget'
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *RL_GUARD], {"levels": [1, 2, 2]}),
     # S at M's learning rate: at 1e-3 it drifted from stage 1 and sync co-training fell below its start;
     # 5e-4 did no better than M's rate (experiments/stage2-probes.md)
     "unsync": (["co-train", "co-train unsync"], ["--level", "2", "--max-sub", "3", *RL_GUARD],
                {"levels": [1, 2, 2], "stage2_steps": 80}),  # its stage 1s are the paper experiment's
-    "single": (["co-train", "single-agent"], ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *RL_GUARD],
-               {"levels": [1, 2, 3]}),
+    "single": (["co-train", "single-agent"], SINGLE, {"levels": [1, 2, 3]}),
+    # the paper's premise (Sec. 1): one context cannot hold a deep search. Every agent's context holds 160 tokens:
+    # the single agent's four result lists take about 234 (its demos), M's plan 50, S's sub-task 63 to 67 (two
+    # searches about 122). Its stage 1s are the single experiment's
+    "single-budget": (["co-train", "single-agent"], [*SINGLE, "--max-context", "160"], {"levels": [1, 2, 3]}),
 }
 # Stage 1's cold start (mgrpo.py --cold-start), per kind of stage 1; the experiment adds its demos' levels. The
 # system's: 1200 steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps. The single agent's:

@@ -150,10 +150,23 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (90, 90)
     assert compare.parse(["--experiment", "unsync"]).stage2_steps == 80
     assert compare.parse(["--experiment", "unsync", "--stage2-steps", "7"]).stage2_steps == 7
-    # every experiment's stage 2 clips gradients at 0.1 and keeps both arms near stage 1 (KL 0.04)
+    # every experiment's stage 2 clips gradients at 0.1, keeps both arms near stage 1 (KL 0.04) and bounds
+    # each update's move of a policy (0.05 per token)
     for name, (_, stage2, _) in compare.EXPERIMENTS.items():
         assert stage2[stage2.index("--grad-clip") + 1] == "0.1", name
         assert stage2[stage2.index("--kl-coef") + 1] == "0.04", name
+        assert stage2[stage2.index("--max-kl") + 1] == "0.05", name
+
+
+def test_the_context_budget_setting_is_single_with_one_option_more_and_its_stage1s():
+    """'single-budget' reuses the single experiment's stage 1s (the same options, so the same folders)
+    and differs from it in stage 2 by the context budget alone, the same for both arms."""
+    plans = {e: compare.plan_runs(compare.parse(["--experiment", e]), "/out") for e in ("single", "single-budget")}
+    assert plans["single"][0] == plans["single-budget"][0] and len(plans["single"][0]) == 10
+    for name, argv in plans["single"][1].items():
+        budget = plans["single-budget"][1][name.replace("single/", "single-budget/")]
+        assert budget[:budget.index("--max-context")] + budget[budget.index("--max-context") + 2:] == argv
+        assert budget[budget.index("--max-context") + 1] == "160"
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 succeeds, and which rollout is right are fixed by the test, so rewards, alignment, advantages,
 batch order, masks and the modes are checked against numbers worked out by hand."""
 import copy
+import dataclasses
 import functools
 import json
 import random
@@ -278,3 +279,33 @@ def test_padding_on_either_side_scores_like_no_padding(agents, side, positions):
             assert torch.allclose(padded[b, span], alone, atol=1e-5)
             assert padded[b][attn[b] == 0].abs().max() == 0  # padding scores 0
             assert alone[0] == 0 and (alone[1:] < 0).all()  # nothing predicts the first token
+
+
+def test_a_context_budget_ends_the_single_agents_long_search_while_M_and_S_fit(agents, monkeypatch):
+    """--max-context, alike for every agent: a conversation goes on only while its context holds the
+    next tool result and a whole turn. At level 3 the single agent's four result lists overflow 160
+    tokens, so it ends unanswered (r_format = 0) on a search whose results never entered; M, which
+    reads S's one-word answers, and S, which reads one list, finish within the same budget."""
+    args, main, sub = copy.deepcopy(agents[0]), *agents[1:]
+    q = toy_tools.make_question(5, 3)
+    args.level, args.main_max_turns = 3, 6
+    search = toy_tools.ToySearch()
+    hops = [("search", "ada")] * 4 + [("answer", lambda t: q.answer)]
+    monkeypatch.setattr(mgrpo, "generate", forced(Plan({k: hops for k in range(K)})))
+    budget = 160
+    for limit in (0, budget, 10):
+        single = dataclasses.replace(main, max_context=limit)
+        trajs, _ = mgrpo.rollout(single, [q], K, dataclasses.replace(args, mode="single-agent"), 0, None, search)
+        if limit == 0:  # no budget: four searches and the answer
+            assert all(t.ok and t.result == q.answer for t in trajs) and min(len(t.ids) for t in trajs) > budget
+        elif limit == budget:  # ends on a search whose results did not fit: the last token is its own
+            assert not any(t.ok for t in trajs) and all(len(t.ids) <= budget and t.mask[-1] == 1 for t in trajs)
+            assert all(1 < sum(t.mask[i] and not t.mask[i + 1] for i in range(len(t.ids) - 1)) < 4 for t in trajs)
+        else:  # not even the prompt and a turn fit: nothing sampled
+            assert not any(t.ok or any(t.mask) for t in trajs)
+    # four delegations, as a four-hop plan makes (a sub-task is not "country of ...": Plan reads that as M's)
+    calls = [("call", f"{rel} of ada") for rel in ("friend", "friend", "city", "city")] + [("answer", lambda t: q.answer)]
+    monkeypatch.setattr(mgrpo, "generate", forced(Plan({k: calls for k in range(K)})))
+    m, s = (dataclasses.replace(a, max_context=budget) for a in (main, sub))
+    mains, subs = mgrpo.rollout(m, [q], K, args, 0, functools.partial(mgrpo.run_sub_agents, s, args, search), search)
+    assert all(t.ok and len(t.ids) <= budget for t in mains + subs) and len(subs) == 4 * K

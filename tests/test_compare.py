@@ -148,6 +148,9 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     assert compare.parse(["--quick"]).cold["single"] == {**paper.cold["single"], "steps": 150, "until": 0.05}
     # five stage 1s by default; unsync's stage 2 is shorter unless asked
     assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (90, 90)
+    # three stage-2 seeds per stage 1, two where the single agent's stage 1s take the time (level 3)
+    assert (paper.seeds, single.seeds, compare.parse(["--experiment", "single", "--seeds", "4"]).seeds) == (
+        [1, 2, 3], [1, 2], [4])
     assert compare.parse(["--experiment", "unsync"]).stage2_steps == 80
     assert compare.parse(["--experiment", "unsync", "--stage2-steps", "7"]).stage2_steps == 7
     # every experiment's stage 2 clips gradients at 0.1, keeps both arms near stage 1 (KL 0.04) and bounds

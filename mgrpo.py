@@ -106,7 +106,8 @@ class Args:
                                 "steps, or a JSON object of ColdStart's fields, inline or in a file; demo: 600 "
                                 "steps for a model built here, none for a model given", type=parse_cold_start)
     lora_rank: int = arg(0, "LoRA: each agent's base frozen, an adapter of this rank on it; 0: no LoRA")
-    search: str = arg("toy", "'toy' (the task's own tool, in-process), or the URL of a SearXNG-style API")
+    search: str = arg("toy", "'toy' (the task's own tool, in-process), 'bm25:CORPUS.jsonl' (retriever.py, "
+                      "in-process), or a server's URL: Search-R1's API if it ends in /retrieve, else SearXNG's")
     # the run
     seed: int = arg(1, "seeds everything: model init, questions, sampling, alignment", group="the run")
     out: str = arg("", "output folder; empty: runs/<time>-seed<seed>")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import transformers
 
+import retriever
 import smollm2
 from agents import prompt_ids
 from store import FileStore, StoreError
@@ -177,17 +178,24 @@ def exit_with_parent(parent):
 
 
 def search_tool(args, task):
-    """The task's own tool (--search toy) or an HTTP search server, probed once where an agent of this
-    process searches, so that a server that is down stops the run here, clearly, before any training."""
+    """The task's own tool (--search toy), BM25 over a corpus in-process (bm25:CORPUS), or an HTTP search
+    server: Search-R1's API for a URL that ends in /retrieve, else SearXNG's. A server is probed once where
+    an agent of this process searches, so that one that is down stops the run here, clearly, before any training."""
+    start = "the toy server starts with: python toy_server.py --port PORT"
     if args.search == "toy":
         search = task.search_tool()
+    elif args.search.startswith("bm25:"):
+        search = retriever.Bm25Search(args.search[len("bm25:"):])
+    elif args.search.rstrip("/").endswith("/retrieve"):
+        search = retriever.RetrieveClient(args.search)
+        start = "this repository's retriever starts with: python retriever.py serve CORPUS --port PORT"
     else:
         search = HttpSearch(args.search)
     if args.mode == "single-agent" or "sub" in agent_names(args):
         try:
             search.search("ada", 0, args.level)
         except SearchError as e:
-            raise SearchError(f"{e}; the toy server starts with: python toy_server.py --port PORT") from None
+            raise SearchError(f"{e}; {start}") from None
     return search
 
 

@@ -292,7 +292,7 @@ def reply(result):
 DOC = {"document": {"id": "d1", "contents": "T\nsome text"}, "score": 1.5}
 
 
-@pytest.mark.parametrize("body", [
+BAD_REPLIES = [
     "garbage", "", "[" * 100_000, '{"result": ' + "[" * 100_000, "1" * 5000, "null", "[]",
     json.dumps({"results": [[DOC]]}), reply(None), reply({"a": 1}), reply([]), reply([[DOC], [DOC]]), reply([DOC]),
     reply([[DOC] * 4]), reply([["d1"]]), reply([[{"document": "d1", "score": 1}]]),
@@ -306,11 +306,20 @@ DOC = {"document": {"id": "d1", "contents": "T\nsome text"}, "score": 1.5}
     '{"result": [[{"document": {"id": "d1", "contents": "x"}, "score": NaN}]]}',
     '{"result": [[{"document": {"id": "d1", "contents": "x"}, "score": 1' + "0" * 400 + "}]]}",
     '{"result": [[{"document": {"id": "d1", "contents": "x"}, "score": 1' + "0" * 5000 + "}]]}",
-])
-def test_wrongly_shaped_replies_are_search_errors(body):
-    with serving(lambda h: answer(h, 200, body)) as (url, _):
-        with pytest.raises(tools.SearchError, match="no Search-R1-style results"):
-            retriever.RetrieveClient(url + "/retrieve", retries=0).search("ada")
+]
+
+
+def test_wrongly_shaped_replies_are_search_errors():
+    body = [""]  # what the server sends now
+    with serving(lambda h: answer(h, 200, body[0])) as (url, _):
+        client = retriever.RetrieveClient(url + "/retrieve", retries=0)
+        for bad in BAD_REPLIES:
+            body[0] = bad
+            with pytest.raises(tools.SearchError, match="no Search-R1-style results"):
+                client.search("ada")
+                pytest.fail(f"accepted {bad[:100]!r}")
+        body[0] = reply([[DOC]])
+        assert client.search("ada") == [{"url": "doc://d1", "title": "T", "content": "some text"}]
 
 
 def test_the_client_posts_search_r1s_request_and_reads_its_reply():

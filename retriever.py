@@ -135,7 +135,8 @@ def check_index(model, n_docs):
     """ValueError unless the index's arrays are of the shape and range that bm25s's scoring reads."""
     s = model.scores
     data, indices, indptr, vocab = s["data"], s["indices"], s["indptr"], model.vocab_dict
-    ok = (s["num_docs"] == n_docs and (model.method, model.k1, model.b) == ("lucene", 1.5, 0.75)
+    ok = (s["num_docs"] == n_docs
+          and (model.method, model.idf_method, model.k1, model.b) == ("lucene", "lucene", 1.5, 0.75)
           and all(isinstance(a, np.ndarray) and a.ndim == 1 for a in (data, indices, indptr))
           and data.dtype.kind == "f" and indices.dtype.kind in "iu" and indptr.dtype.kind in "iu"
           and len(indptr) == len(vocab) and len(data) == len(indices) == int(indptr[-1]) and indptr[0] == 0
@@ -181,7 +182,9 @@ class Bm25Search:
         manifest = {"format": CACHE_FORMAT, "corpus_sha256": digest, "passages": len(self.ids),
                     "bm25s": bm25s.__version__}
         folder = corpus + ".bm25"
-        self.model = load_index(folder, manifest) or build_index(folder, self.contents, manifest)
+        self.model = load_index(folder, manifest)
+        if self.model is None:
+            self.model = build_index(folder, self.contents, manifest)
 
     def retrieve(self, query, k):
         """[(passage number, score)] of the k best passages that share a word with the query, best first."""
@@ -190,9 +193,11 @@ class Bm25Search:
         if not ids:
             return []
         scores = self.model.get_scores_from_ids(ids)
-        top = np.argpartition(-scores, min(k, len(scores)) - 1)[:k]
-        top = top[np.lexsort((top, -scores[top]))]  # best first; a tie: the earlier passage first
-        return [(int(n), float(scores[n])) for n in top if scores[n] > 0]
+        k = min(k, len(scores))
+        kth = np.partition(scores, len(scores) - k)[len(scores) - k]  # the k-th best score
+        top = np.flatnonzero(scores >= kth) if kth > 0 else np.flatnonzero(scores > 0)  # every tie of the k-th
+        top = top[np.lexsort((top, -scores[top]))][:k]  # best first; a tie: the earlier passage first
+        return [(int(n), float(scores[n])) for n in top]
 
     def search(self, query, seed=None, level=None):
         return [passage_result(self.ids[n], self.contents[n]) for n, _ in self.retrieve(query, TOPK)]

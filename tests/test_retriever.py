@@ -105,6 +105,18 @@ def test_a_passage_reads_as_its_corpus_line_says(tmp_path):
 
 
 @needs_bm25s
+def test_ties_rank_by_corpus_order(tmp_path):
+    """Passages of equal score come in the corpus's order, whichever of them a partial sort met first
+    (among 1,000, numpy's argpartition alone picks later ones)."""
+    lines = [{"id": f"same{i}", "contents": "t\nkab kab mid"} if i % 3 == 1 else
+             {"id": f"o{i}", "contents": f"t\nkab lod {i}"} for i in range(1000)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    search = retriever.Bm25Search(str(tmp_path / "c.jsonl"))
+    assert [r["url"] for r in search.search("kab")] == ["doc://same1", "doc://same4", "doc://same7"]
+    assert [search.ids[n] for n, _ in search.retrieve("kab", 100)] == [f"same{i}" for i in range(1, 300, 3)]
+
+
+@needs_bm25s
 def test_the_run_resolves_bm25_and_retrieve_urls_and_agents_read_the_results(corpus, index, retrieve_url):
     task = run.load_task("toy_tools")
     tool = run.search_tool(mgrpo.parse_args(["--search", f"bm25:{corpus}"]), task)

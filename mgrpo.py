@@ -30,7 +30,7 @@ see: sampling.py (the sampler and the scoring; cuda_graphs.py on a GPU), agents.
 tokenizers, contexts as ids; tiny_models.py, the models built here), tools.py (action formats,
 parsers, search client), run.py (command line, set-up), report.py (metrics, report),
 checkpoints.py (checkpoints, resume), store.py and records.py (the shared store); toy_tools.py is
-the toy task.
+the toy task, and retriever.py a local BM25 retriever for --search.
 
     python mgrpo.py              # CPU demo: cold start, then M-GRPO on the toy task
     python mgrpo.py --help

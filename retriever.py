@@ -194,7 +194,7 @@ class Bm25Search:
             return []
         scores = self.model.get_scores_from_ids(ids)
         k = min(k, len(scores))
-        kth = np.partition(scores, len(scores) - k)[len(scores) - k]  # the k-th best score
+        kth = scores[np.argpartition(-scores, k - 1)[k - 1]]  # the k-th best score (np.partition: slow on many 0s)
         top = np.flatnonzero(scores >= kth) if kth > 0 else np.flatnonzero(scores > 0)  # every tie of the k-th
         top = top[np.lexsort((top, -scores[top]))][:k]  # best first; a tie: the earlier passage first
         return [(int(n), float(scores[n])) for n in top]

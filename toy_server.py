@@ -104,18 +104,18 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address, handler, max_connections=64):
         super().__init__(address, handler)
         self.max_connections, self.lock = max_connections, threading.Lock()
-        self.waiting = {}  # each open connection -> does it still wait for its request? Oldest first
+        self.connections = {}  # each open connection -> True while it waits for its request; oldest first
 
     def process_request(self, request, client_address):
         with self.lock:
-            if len(self.waiting) >= self.max_connections:
-                oldest = next((c for c, waits in self.waiting.items() if waits), None)
+            if len(self.connections) >= self.max_connections:
+                oldest = next((c for c, waits in self.connections.items() if waits), None)
                 if oldest is None:  # every connection is being answered: this one waits for none
                     self.shutdown_request(request)
                     return
-                del self.waiting[oldest]
+                del self.connections[oldest]
                 cut(oldest)
-            self.waiting[request] = True
+            self.connections[request] = True
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread started to forget it
@@ -131,12 +131,12 @@ class Server(ThreadingHTTPServer):
     def working(self, request):
         """The handler holds its whole request: from now on the connection is not closed for room."""
         with self.lock:
-            if request in self.waiting:
-                self.waiting[request] = False
+            if request in self.connections:
+                self.connections[request] = False
 
     def forget(self, request):
         with self.lock:
-            self.waiting.pop(request, None)
+            self.connections.pop(request, None)
 
     def handle_error(self, request, client_address):
         if not isinstance(sys.exc_info()[1], OSError):  # a connection cut (room, deadline, client) is no error

@@ -67,30 +67,39 @@ def doc_url(doc_id):
 # ---------------------------------------------------------------------------------------
 # The corpus and its index
 # ---------------------------------------------------------------------------------------
-def read_corpus(path):
-    """(ids, contents, SHA-256 of the file) of a corpus: contents is 'title\\ntext', the title on one line.
-    A malformed line is a ValueError naming the file and the line."""
-    ids, contents, line_of, digest = [], [], {}, hashlib.sha256()
+def json_lines(path, max_line, digest=None):
+    """(line number, 'PATH, line N', object) of each line of a JSONL file that is not blank; a line over
+    max_line bytes, not UTF-8 or not JSON is a ValueError that names the file and the line. digest: a
+    hashlib object, fed every byte read. The question files of qa_task.py are read with it too."""
     with open(path, "rb") as f:
-        for n, raw in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
-            digest.update(raw)
+        for n, raw in enumerate(iter(lambda: f.readline(max_line + 1), b""), 1):
+            if digest:
+                digest.update(raw)
             where = f"{path}, line {n}"
-            if len(raw) > MAX_LINE:
-                raise ValueError(f"{where}: longer than {MAX_LINE} bytes")
+            if len(raw) > max_line:
+                raise ValueError(f"{where}: longer than {max_line} bytes")
             if not raw.strip():
                 continue
             try:
-                doc = json.loads(raw.decode("utf-8"))
+                obj = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 raise ValueError(f"{where}: not UTF-8") from None
             except (ValueError, RecursionError):
                 raise ValueError(f"{where}: not JSON") from None
-            doc_id, title, text = _passage(doc, where)
-            if doc_id in line_of:
-                raise ValueError(f"{where}: id {doc_id[:100]!r} is already on line {line_of[doc_id]}")
-            line_of[doc_id] = n
-            ids.append(doc_id)
-            contents.append(" ".join(title.split()) + "\n" + text)
+            yield n, where, obj
+
+
+def read_corpus(path):
+    """(ids, contents, SHA-256 of the file) of a corpus: contents is 'title\\ntext', the title on one line.
+    A malformed line is a ValueError naming the file and the line."""
+    ids, contents, line_of, digest = [], [], {}, hashlib.sha256()
+    for n, where, doc in json_lines(path, MAX_LINE, digest):
+        doc_id, title, text = _passage(doc, where)
+        if doc_id in line_of:
+            raise ValueError(f"{where}: id {doc_id[:100]!r} is already on line {line_of[doc_id]}")
+        line_of[doc_id] = n
+        ids.append(doc_id)
+        contents.append(" ".join(title.split()) + "\n" + text)
     if not ids:
         raise ValueError(f"{path}: no passages (one JSON object a line: id, title, contents)")
     return ids, contents, digest.hexdigest()

@@ -70,18 +70,20 @@ def _action(tag, arg):
     return (tag, arg) if arg and not _TAG.search(arg) and clean_text(arg) == arg else None
 
 
-def _tool(name, description, arg, arg_description):
+def tool_schema(name, description, arg, arg_description):
     return {"type": "function", "function": {
         "name": name, "description": description,
         "parameters": {"type": "object", "properties": {arg: {"type": "string", "description": arg_description}},
                        "required": [arg]}}}
 
 
-TOOLS = {  # the chat models' tools, as JSON schemas for the chat template
-    "sub_agent": _tool("sub_agent", "Ask the sub-agent, which can search, to look up one fact. It returns one word.",
-                       "task", "'<relation> of <name>', relation one of city, country, friend; e.g. 'city of ada'"),
-    "search": _tool("search", "Search the web. Returns results: title, url, snippet.", "query", "what to search for"),
-    "visit": _tool("visit", "Read the page at a url from the search results.", "url", "the url"),
+TOOLS = {  # the chat models' tools, as JSON schemas for the chat template; a task may describe them its own way (TOOLS)
+    "sub_agent": tool_schema("sub_agent", "Ask the sub-agent, which can search, to look up one fact. It returns one "
+                             "word.", "task", "'<relation> of <name>', relation one of city, country, friend; e.g. "
+                             "'city of ada'"),
+    "search": tool_schema("search", "Search the web. Returns results: title, url, snippet.", "query",
+                          "what to search for"),
+    "visit": tool_schema("visit", "Read the page at a url from the search results.", "url", "the url"),
 }
 CHAT_TOOLS = {"main": ("sub_agent",), "sub": ("search", "visit"), "single": ("search", "visit")}  # per agent
 TOOL_ACTION = {"sub_agent": ("call", "task"), "search": ("search", "query"), "visit": ("visit", "url")}

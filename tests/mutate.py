@@ -31,8 +31,7 @@ MUTANTS = [
     ("M's groups formed across queries", "mgrpo.py",
      "adv = group_advantages(r_main.view(-1, K)).view(-1)", "adv = group_advantages(r_main.view(1, -1)).view(-1)"),
     ("a slot gets the correctness of the rollout whose slot it fills, not of the one that made it", "mgrpo.py",
-     "for s, (k, _), e in zip(group, pairs, expert)]",
-     "for s, (k, _), e in zip(group, [(j // D, 0) for j in range(len(pairs))], expert)]"),
+     "for n, (k, _) in zip(made, pairs)]", "for n, (k, _) in zip(made, [(j // D, 0) for j in range(len(pairs))])]"),
     ("S's groups formed across queries", "mgrpo.py",
      "adv.append(group_advantages(r))", "adv.append(torch.tensor(r))"),
     ("d_k > D keeps the first D instead of D at random", "mgrpo.py",
@@ -74,6 +73,17 @@ MUTANTS = [
     ("a second action in a turn gets format credit", "tools.py",
      "return (tag, arg) if arg and not _TAG.search(arg) and clean_text(arg) == arg else None",
      "return (tag, arg) if arg and clean_text(arg) == arg else None"),
+    ("r_expert from the task's check although a judge is given", "mgrpo.py", "    if judge:\n", "    if False:\n"),
+    ("S's tool results not kept as what it read", "mgrpo.py",
+     "                trajs[j].reads.append(message)", "                pass"),
+    ("the judge asked once per sub-trajectory, the same prompt again", "judge.py",
+     "distinct = list(dict.fromkeys(a for a in asks if a is not None))", "distinct = [a for a in asks if a is not None]"),
+    ("training questions drawn from the test split too", "qa_task.py",
+     "if seed >= EVAL_SEED else (self.train, seed)", "if seed >= EVAL_SEED else (self.train + self.test, seed)"),
+    ("SQuAD's normalization keeps the articles", "qa_task.py",
+     're.sub(r"\\b(a|an|the)\\b", " ", s.lower().translate(_PUNCT))', "s.lower().translate(_PUNCT)"),
+    ("r_expert without a judge counts a result's number as a passage's word", "qa_task.py",
+     'return re.sub(r"(?m)^\\[\\d+\\] |\\(\\w+://[^\\s)]*\\)", " ", read)', "return read"),
 ]
 
 

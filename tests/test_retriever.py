@@ -23,7 +23,7 @@ import retriever
 import run
 import tools
 import toy_server
-from test_hostile_tools import answer, serving
+from test_hostile_tools import answer, serving, trickle
 
 needs_bm25s = pytest.mark.skipif(importlib.util.find_spec("bm25s") is None, reason="needs bm25s: pip install bm25s")
 WORDS = [a + b for a in ("ka", "lo", "mi", "nu", "pe", "ra", "si", "to") for b in ("b", "d", "g", "l", "m", "n", "r", "s")]
@@ -356,14 +356,6 @@ def test_the_client_posts_search_r1s_request_and_reads_its_reply():
 
 
 def test_huge_slow_failing_and_absent_servers():
-    def trickle(h):
-        h.send_response(200)
-        h.send_header("Content-Length", "20")
-        h.end_headers()
-        for _ in range(20):
-            h.wfile.write(b"x")
-            h.wfile.flush()
-            time.sleep(0.2)
     with serving(trickle) as (url, _):
         t0 = time.monotonic()
         with pytest.raises(tools.SearchError, match="Timeout"):

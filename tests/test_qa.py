@@ -454,3 +454,28 @@ def test_a_cold_start_in_processes_of_its_own_searches_for_its_demos(qa_files, t
     s = mgrpo.main(QA_RUN[:1] + QA_RUN[3:] + ["--cold-start", '{"steps": 100, "batch": 2}', "--task", f"qa:{questions}",
                                               "--search", f"bm25:{corpus}", "--steps", "0", "--out", str(tmp_path)])
     assert s["steps"] == 0 and os.path.isdir(tmp_path / "main") and os.path.isdir(tmp_path / "sub")
+
+
+def test_the_conversion_script_writes_files_the_run_reads(tmp_path):
+    """scripts/qa_files.py on a HotpotQA-shaped file and a DPR-shaped TSV: questions qa_task.py loads (with
+    --split), and corpora retriever.py reads, each HotpotQA title once, DPR's quoted text unquoted."""
+    items = [{"_id": f"h{i}", "question": f"Who wrote book {i}?", "answer": f"Author {i}", "type": "bridge",
+              "supporting_facts": [[f"Book {i}", 0]], "level": "easy",
+              "context": [[f"Book {i}", [f"Book {i} is a novel.", f" It was written by Author {i}."]],
+                          ["Shared", ["A page every question has."]]]} for i in range(30)]
+    (tmp_path / "hotpot.json").write_text(json.dumps(items))
+    (tmp_path / "psgs.tsv").write_text('id\ttext\ttitle\n1\t"Aaron is a prophet, ""the"" brother."\tAaron\n2\tplain\tB\n')
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "qa_files.py")
+    for args in (["hotpot", "hotpot.json", "all"], ["hotpot", "hotpot.json", "test", "--split", "test", "--limit", "5"],
+                 ["dpr", "psgs.tsv", "wiki.jsonl"]):
+        r = subprocess.run([sys.executable, script, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+    ids, contents, _ = retriever.read_corpus(str(tmp_path / "all" / "corpus.jsonl"))
+    assert len(ids) == 31 and contents[0] == "Book 0\nBook 0 is a novel. It was written by Author 0."
+    task = qa_task.QaTask(str(tmp_path / "all" / "questions.jsonl"))  # no split: 1 in 10 held out by a hash
+    assert len(task.train) + len(task.test) == 30 and task.test
+    q = task.make_question(0, 1)
+    assert task.answer_correct(q, q.text.replace("Who wrote book", "Author").rstrip("?"))
+    assert [json.loads(line)["split"] for line in open(tmp_path / "test" / "questions.jsonl")] == ["test"] * 5
+    assert retriever.read_corpus(str(tmp_path / "wiki.jsonl"))[1] == ['Aaron\nAaron is a prophet, "the" brother.',
+                                                                      "B\nplain"]

@@ -10,7 +10,8 @@ The model is the URL's `model` query part, else the first that GET .../v1/models
 made once, at start-up, so a judge that is down stops the run there, with a message. From then on a judge
 never stops a run: a request that fails (the server down, a 5xx after a retry, past its deadline or the size
 cap, a reply not of the API's shape, no score in it) scores 0, and each step prints how many failed and why
-(metrics.jsonl: judge_failed, beside t_judge, the step's seconds of judging). Requests go through
+(metrics.jsonl: judge_failed, beside t_judge, the step's seconds of judging); after THREADS failures in a row
+the rest of the step is not asked (each 0), so a judge that is down costs a step one round of deadlines. Requests go through
 tools.HttpSearch's: a total deadline each, a size cap, retries with backoff, no decompression. A step's
 answers are scored together, THREADS requests at a time, each distinct (sub-task, reads, answer) once.
 No API key is sent: a local server.
@@ -89,6 +90,7 @@ class Judge:
     def __init__(self, url, timeout=TIMEOUT, retries=1, backoff=0.5, max_bytes=1_000_000):
         self.url, self.model, models = endpoints(url)
         self.http = HttpSearch(self.url, timeout=timeout, retries=retries, backoff=backoff, max_bytes=max_bytes)
+        self.in_a_row = 0  # requests that failed in a row, this step
         listed = self.models(models)
         self.model = self.model or listed[0]
 
@@ -108,7 +110,11 @@ class Judge:
         return listed
 
     def score(self, text):
-        """(score, None) of one prompt, or (0.0, why) when the request or its reply fails; never raises."""
+        """(score, None) of one prompt, or (0.0, why) when the request or its reply fails; never raises. After
+        THREADS failures in a row the step's other prompts are not sent: a judge that is down or stalled costs
+        a step one round of deadlines, not one per prompt."""
+        if self.in_a_row >= THREADS:
+            return 0.0, f"not asked: the judge failed {THREADS} times in a row this step"
         payload = {"model": self.model, "temperature": 0, "max_tokens": MAX_TOKENS,
                    "messages": [{"role": "system", "content": RUBRIC}, {"role": "user", "content": text}]}
         try:
@@ -120,15 +126,17 @@ class Judge:
             value = parse_score(content)
             if value is None:
                 raise JudgeError(f"no score in [0, 1] in its reply {content[:200]!r}")
+            self.in_a_row = 0
             return value, None
         except Exception as e:  # noqa: BLE001  (a judge's reply is untrusted: whatever fails scores 0)
+            self.in_a_row += 1  # from the pool's threads: a count off by one now and then does no harm
             return 0.0, f"{type(e).__name__}: {e}"
 
     def scores(self, items):
         """(score per item, {"t_judge": seconds, "judge_failed": failures}) of a step's items, each (sub-task,
         answer, what S read) or None (0, not asked); each distinct prompt asked once, THREADS at a time.
         Failures are warned of, once a step."""
-        t0, asks = time.perf_counter(), [None if it is None else prompt(*it) for it in items]
+        t0, asks, self.in_a_row = time.perf_counter(), [None if it is None else prompt(*it) for it in items], 0
         distinct = list(dict.fromkeys(a for a in asks if a is not None))
         with ThreadPoolExecutor(THREADS) as pool:
             got = dict(zip(distinct, pool.map(self.score, distinct)))

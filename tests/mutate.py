@@ -78,6 +78,8 @@ MUTANTS = [
      "                trajs[j].reads.append(message)", "                pass"),
     ("the judge asked once per sub-trajectory, the same prompt again", "judge.py",
      "distinct = list(dict.fromkeys(a for a in asks if a is not None))", "distinct = [a for a in asks if a is not None]"),
+    ("a judge that is down asked for every answer of the step", "judge.py",
+     "        if self.in_a_row >= THREADS:\n", "        if False:\n"),
     ("training questions drawn from the test split too", "qa_task.py",
      "if seed >= EVAL_SEED else (self.train, seed)", "if seed >= EVAL_SEED else (self.train + self.test, seed)"),
     ("SQuAD's normalization keeps the articles", "qa_task.py",

@@ -479,3 +479,22 @@ def test_the_conversion_script_writes_files_the_run_reads(tmp_path):
     assert [json.loads(line)["split"] for line in open(tmp_path / "test" / "questions.jsonl")] == ["test"] * 5
     assert retriever.read_corpus(str(tmp_path / "wiki.jsonl"))[1] == ['Aaron\nAaron is a prophet, "the" brother.',
                                                                       "B\nplain"]
+
+
+def test_a_judge_that_stalls_costs_a_step_one_round_of_deadlines():
+    """Every request past its deadline: after THREADS failures in a row the step's other prompts are not
+    sent (each 0), so 80 answers cost about one deadline, not ten rounds of them."""
+    def stall(h):
+        if h.command == "GET":
+            return answer(h, 200, MODELS)
+        time.sleep(3)
+    with serving(stall) as (url, H):
+        client = judge.Judge(url, timeout=0.5, retries=0)
+        t0 = time.monotonic()
+        scores, stats = client.scores([("t", f"answer {i}", ["r"]) for i in range(80)])
+        took = time.monotonic() - t0
+        assert scores == [0.0] * 80 and stats["judge_failed"] == 80 and took < 3
+        assert H.calls <= 1 + 2 * judge.THREADS
+        time.sleep(0.1)
+        with_answers = client.scores([("t", "a", ["r"])])  # the next step asks again
+    assert with_answers[1]["judge_failed"] == 1 and H.calls >= 2 + judge.THREADS

@@ -23,6 +23,7 @@ import mgrpo
 import qa_task
 import retriever
 import tools
+from agents import prompt_ids
 from scripted import forced
 from test_hostile_tools import answer, serving, trickle
 
@@ -300,6 +301,8 @@ def test_no_evaluation_question_in_any_demo(task, monkeypatch):
     monkeypatch.setattr(task, "demo", lambda q, *a, **k: demos.append((q, real(q, *a, **k))) or demos[-1][1])
     args = mgrpo.parse_args(["--chat", "--model-size", "0.1M", "--cold-start", '{"steps": 2, "batch": 32}'])
     agent = mgrpo.load_agent("", args, task)  # its tokenizer learns from 900 demos (tiny_models.chat_tokenizer)
+    prompt = agent.tok.decode(prompt_ids(agent, "main", "Who founded Zorvath?"))  # the task's prompt and tools
+    assert qa_task.SYSTEM["main"] in prompt and "to look up one question" in prompt and "city of ada" not in prompt
     for kind in ("main", "sub", "single"):
         cold_start.cold_start(agent, kind, args, task, seed=1, steps=2)
     assert len(demos) == 900 + 3 * 64

@@ -59,6 +59,7 @@ class Agent:
     max_context: int = 0   # tokens a conversation may hold (--max-context); 0: no limit
     chat: bool = False     # a chat model: tools in the system prompt, <tool_call> JSON (else word-level tags)
     system: dict = None    # chat models: the task's system prompt per agent kind (main, sub, single)
+    tools: dict = None     # chat models: the tools' JSON schemas by name, the task's (TOOLS) or tools.TOOLS
     bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights
     ref: torch.nn.Module = None  # --kl-coef: the frozen reference
     pending: tuple = None  # --mode unsync: (batch, advantages) of the previous step, not yet trained on
@@ -141,8 +142,8 @@ def load_agent(name, args, task, seed=0, lr=None):
                  suppress=tuple(sorted({tok.pad_token_id, tok.unk_token_id} - stop - {None})),
                  pad_id=tok.pad_token_id if tok.pad_token_id is not None else min(stop),
                  end=turn_end(tok, stop, name), max_new=args.max_new_tokens or (256 if chat else 12), chat=chat,
-                 max_context=args.max_context,
-                 system=task.SYSTEM if chat else None, bf16=args.dtype == "bfloat16",
+                 max_context=args.max_context, system=task.SYSTEM if chat else None,
+                 tools=getattr(task, "TOOLS", TOOLS), bf16=args.dtype == "bfloat16",
                  graphs={} if model.device.type == "cuda" else None, recompute=args.grad_checkpointing)
 
 
@@ -215,12 +216,13 @@ def share_base(agents):
 MARK = "@@MARK@@"
 
 
-def prompt_text(tok, kind, content, system=None):
+def prompt_text(tok, kind, content, system=None, schemas=TOOLS):
     """The template's text of a new conversation of agent `kind` (main, sub, single): the system prompt
-    with the agent's tools (chat models), the user's `content`, the assistant prompt."""
+    with the agent's tools (chat models; schemas: each tool's by name), the user's `content`, the
+    assistant prompt."""
     msgs, kw = [{"role": "user", "content": content}], {}
     if system:
-        tools = [TOOLS[n] for n in CHAT_TOOLS[kind]]
+        tools = [schemas[n] for n in CHAT_TOOLS[kind]]
         text = system[kind]
         if "tools" in tok.chat_template:
             kw["tools"] = tools
@@ -255,7 +257,7 @@ def template_ids(agent, key, render, content):
 
 def prompt_ids(agent, kind, content):
     """Ids of a new conversation of agent `kind` (main, sub, single) whose user message is `content`."""
-    render = functools.partial(prompt_text, agent.tok, kind, system=agent.system)
+    render = functools.partial(prompt_text, agent.tok, kind, system=agent.system, schemas=agent.tools or TOOLS)
     return template_ids(agent, ("prompt", kind), render, content)
 
 
@@ -279,6 +281,7 @@ class Traj:
     result: str = None       # main: the answer; sub: the returned text
     ok: bool = False         # format valid (r_format)
     calls: list = field(default_factory=list)  # main: indices of its sub-trajectories
+    reads: list = field(default_factory=list)  # the tool results it read, as text (S's: r_expert's evidence)
 
     def add(self, ids, logp=None):
         """Append ids: sampled ones with their log-probs (mask 1), or inserted ones (mask 0)."""

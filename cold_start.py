@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from agents import adamw, add_adapter, load_agent, message_ids, new_traj, share_base
 from checkpoints import load_reference, save_checkpoint, save_frozen
-from run import agent_kinds, exit_with_parent, load_task
+from run import agent_kinds, exit_with_parent, load_task, search_tool
 import smollm2
 from sampling import collate, token_logprobs
 from tiny_models import build_model
@@ -194,6 +194,8 @@ def cold_start_job(path, kind, args, seed, steps, parent):
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     task = load_task(args.task)
+    if hasattr(task, "use_search"):  # a task whose demos search (qa_task.py): handed the run's search tool
+        search_tool(args, task)
     agent = load_agent(path, args, task)
     loss = cold_start(agent, kind, args, task, seed, steps)
     agent.model.save_pretrained(path)

@@ -30,7 +30,7 @@ see: sampling.py (the sampler and the scoring; cuda_graphs.py on a GPU), agents.
 tokenizers, contexts as ids; tiny_models.py, the models built here), tools.py (action formats,
 parsers, search client), run.py (command line, set-up), report.py (metrics, report),
 checkpoints.py (checkpoints, resume), store.py and records.py (the shared store); toy_tools.py is
-the toy task.
+the toy task, and retriever.py a local BM25 retriever for --search.
 
     python mgrpo.py              # CPU demo: cold start, then M-GRPO on the toy task
     python mgrpo.py --help
@@ -92,7 +92,8 @@ class Args:
                            "conversation ends unanswered when a tool's result and one more turn would not fit, "
                            "as a full context window ends a real agent's search; 0: no limit")
     # the task and the models
-    task: str = arg("toy_tools", "the task: a module or a .py file (toy_tools.py tells what it holds)",
+    task: str = arg("toy_tools", "the task: a module, a .py file (toy_tools.py tells what it holds), or "
+                    "qa:QUESTIONS.jsonl, open questions (qa_task.py)",
                     group="the task and the models")
     level: int = arg(1, "the task's level; toy task: 1, 2 or 3 (2, 3 or 4 hops; 3, 8 or 12 snippets)")
     train_levels: tuple = arg((), "levels of the training questions, taken in turn, e.g. 1 2 2; none: --level")
@@ -106,7 +107,10 @@ class Args:
                                 "steps, or a JSON object of ColdStart's fields, inline or in a file; demo: 600 "
                                 "steps for a model built here, none for a model given", type=parse_cold_start)
     lora_rank: int = arg(0, "LoRA: each agent's base frozen, an adapter of this rank on it; 0: no LoRA")
-    search: str = arg("toy", "'toy' (the task's own tool, in-process), or the URL of a SearXNG-style API")
+    search: str = arg("toy", "'toy' (the task's own tool, in-process), 'bm25:CORPUS.jsonl' (retriever.py, "
+                      "in-process), or a server's URL: Search-R1's API if it ends in /retrieve, else SearXNG's")
+    judge: str = arg("", "r_expert (eq. 5) from an LLM judge: an OpenAI-compatible server's URL, with ?model=NAME or "
+                     "its first model (judge.py: the rubric); empty: the task's own expert_score")
     # the run
     seed: int = arg(1, "seeds everything: model init, questions, sampling, alignment", group="the run")
     out: str = arg("", "output folder; empty: runs/<time>-seed<seed>")
@@ -143,7 +147,8 @@ def agent_loop(agent, kind, trajs, act, max_turns, seed, greedy):
     its conversation with a result (ok); one that breaks the format, or calls a tool on the
     last turn, ends it with none. Every other turn is a tool call: act(calls, turn) answers the
     turn's calls [(index, tag, argument)] with one message each, which enters with mask 0 if the
-    context holds it and one more turn (--max-context); if not, the conversation ends unanswered."""
+    context holds it and one more turn (--max-context), and is kept in its `reads`; if not, the
+    conversation ends unanswered."""
     def fits(j, more=()):  # --max-context: room for `more` and a whole turn after it
         return not agent.max_context or len(trajs[j].ids) + len(more) + agent.max_new <= agent.max_context
     active, kept = [j for j in range(len(trajs)) if fits(j)], [Kept() for _ in trajs]  # kept: each one's KV cache
@@ -166,6 +171,7 @@ def agent_loop(agent, kind, trajs, act, max_turns, seed, greedy):
             ids = message_ids(agent, "tool", message)
             if fits(j, ids):  # else the context is full: the conversation ends here, unanswered
                 trajs[j].add(ids)
+                trajs[j].reads.append(message)  # what S read: r_expert's evidence (eq. 5)
                 active.append(j)
     return trajs
 
@@ -215,6 +221,19 @@ def sub_reward(format_ok, main_correct, expert, w=(0.1, 0.4, 0.5)):
     """eq. 5: R_S = 0.1 r_format + 0.4 r_correct_main + 0.5 r_expert if S's format is valid, else 0;
     r_correct_main is the correctness of the rollout this sub-trajectory came from."""
     return w[0] + w[1] * float(main_correct) + w[2] * float(expert) if format_ok else 0.0  # eq. 5
+
+
+def expert_scores(sub_trajs, exchange, questions, task, judge=None):
+    """r_expert of eq. 5 for each of a step's sub-trajectories, once each, before alignment (eq. 11)
+    duplicates some: the LLM judge's (--judge, judge.py: does S's answer fulfil its sub-task, by what S
+    read?), else the task's own expert_score. One whose format failed is not scored: its R_S is 0 anyway.
+    Returns the scores and, with a judge, its seconds and failures (t_judge, judge_failed: each scored 0)."""
+    query = {i: e["query"] for e in exchange for i in e["subs"]}  # sub-trajectory -> its rollout's query
+    scored = [s.ok and i in query for i, s in enumerate(sub_trajs)]
+    if judge:
+        return judge.scores([(s.task, s.result, s.reads) if ok else None for s, ok in zip(sub_trajs, scored)])
+    return [task.expert_score(questions[query[i]], s.task, s.result, s.reads) if ok else 0.0
+            for i, (s, ok) in enumerate(zip(sub_trajs, scored))], {}
 
 
 # =========================================================================================
@@ -422,12 +441,20 @@ def main_side(main_trajs, questions, K, task, w_format=0.1):
     exchange = [{"query": t.q, "rollout": t.k, "correct": bool(c), "subs": list(t.calls)}
                 for t, c in zip(main_trajs, correct)]
     zero_var = float((r_main.view(-1, K).std(-1, unbiased=False) <= 1e-6).float().mean())
-    return r_main, adv, exchange, {"success": float(np.mean(correct)), "zero_var_main": zero_var}
+    f1 = answer_f1(task, main_trajs, [questions[t.q] for t in main_trajs])
+    return r_main, adv, exchange, {"success": float(np.mean(correct)), "zero_var_main": zero_var,
+                                   **({"f1": float(np.mean(f1))} if f1 else {})}
 
 
-def sub_side(sub_trajs, exchange, questions, task, D, rng, w=(0.1, 0.4, 0.5)):
-    """S: rewards (eq. 5), alignment to D per rollout (eq. 11), advantages over the D*K aligned
-    sub-trajectories of each query (eq. 12-13). Returns (batch, R_S, A_S, stats)."""
+def answer_f1(task, trajs, questions):
+    """The F1 of each answer where the task has one (qa_task.py), logged beside r_correct, not a reward; []."""
+    return [task.f1(q, t.result) if t.ok else 0.0 for t, q in zip(trajs, questions)] if hasattr(task, "f1") else []
+
+
+def sub_side(sub_trajs, exchange, questions, expert, D, rng, w=(0.1, 0.4, 0.5)):
+    """S: alignment to D per rollout (eq. 11), rewards (eq. 5) with each sub-trajectory's r_expert
+    (`expert`, from expert_scores), advantages over the D*K aligned sub-trajectories of each query
+    (eq. 12-13). Returns (batch, R_S, A_S, stats)."""
     batch, rewards, adv = [], [], []
     n_dup = n_drop = n_zero = n_groups = 0
     for q in range(len(questions)):
@@ -438,12 +465,10 @@ def sub_side(sub_trajs, exchange, questions, task, D, rng, w=(0.1, 0.4, 0.5)):
         n_dup += len(pairs) - sum(min(d, D) for d in counts)
         if not pairs:
             continue
-        group = [sub_trajs[rows[k]["subs"][i]] for k, i in pairs]
-        # each slot gets the correctness of the rollout that made its sub-trajectory
-        expert = [task.expert_score(questions[q], s.task, s.result) for s in group]
-        r = [sub_reward(s.ok, rows[k]["correct"], e, w)
-             for s, (k, _), e in zip(group, pairs, expert)]
-        batch += group
+        made = [rows[k]["subs"][i] for k, i in pairs]
+        # each slot gets the correctness of the rollout that made its sub-trajectory, and that one's r_expert
+        r = [sub_reward(sub_trajs[n].ok, rows[k]["correct"], expert[n], w) for n, (k, _) in zip(made, pairs)]
+        batch += [sub_trajs[n] for n in made]
         rewards += r
         adv.append(group_advantages(r))  # eq. 12-13: the query's D*K aligned slots
         n_groups += 1
@@ -479,10 +504,10 @@ def step_questions(task, args, seed, step):
     return [task.make_question(rng.randrange(2 ** 31), mix[(step * Q + i) % len(mix)]) for i in range(Q)]
 
 
-def train_step(main_agent, sub, step, args, task, delegate, search=None, store=None):
+def train_step(main_agent, sub, step, args, task, delegate, search=None, store=None, judge=None):
     """One M-GRPO step in the paper's order; its metrics. In single-agent mode M's side is all there
     is: plain GRPO. With S in the other process (--role main), M's side writes `exchange` to the store,
-    and S's side runs there (serve_sub) while M updates."""
+    and S's side runs there (serve_sub) while M updates. judge: --judge's, r_expert's scorer (judge.py)."""
     t0, seeds = time.perf_counter(), step_seeds(args.seed, step)
     questions = step_questions(task, args, seeds["questions"], step)
     # 1. K rollouts per query, S's tool loops nested in M's turns
@@ -495,10 +520,12 @@ def train_step(main_agent, sub, step, args, task, delegate, search=None, store=N
     if store:
         store.put(phase_key(store.phase) + "-done",
                   {"exchange": exchange, "questions": [[q.seed, q.level] for q in questions]})
-    if sub:  # 4-5. alignment to D per rollout (eq. 11), R_S (eq. 5), A_S over the D*K slots (eq. 12-13)
-        sub_batch, _, adv_sub, sub_stats = sub_side(sub_trajs, exchange, questions, task, args.max_sub,
+    if sub:  # 4-5. r_expert once per sub-trajectory, alignment to D per rollout (eq. 11), R_S (eq. 5),
+        # A_S over the D*K slots (eq. 12-13)
+        expert, judged = expert_scores(sub_trajs, exchange, questions, task, judge)
+        sub_batch, _, adv_sub, sub_stats = sub_side(sub_trajs, exchange, questions, expert, args.max_sub,
                                                     random.Random(seeds["align"]), args.w_sub)
-        rec.update(sub_stats)
+        rec.update(sub_stats, **judged)
     # 6. each agent's own clipped policy-gradient step (eq. 14-19); no gradient crosses between them
     updates = {"main": update_agent(main_agent, main_trajs, adv_main, args)}
     if sub:
@@ -541,16 +568,18 @@ def eval_record(main_agent, args, task, delegate, search, greedy=False, first=EV
     """An evaluation's figures: success on the held-out questions, the share of M's rollouts (or the
     single agent's) and of S's sub-trajectories whose format held to the end (r_format = 1), and the
     longest context of each (tokens)."""
-    correct, ok_main, ok_sub, n_main, n_sub = [], [], [], [], []
+    correct, ok_main, ok_sub, n_main, n_sub, f1 = [], [], [], [], [], []
     for batch, trajs, subs in eval_rollouts(main_agent, args, task, delegate, search, greedy, first):
         correct += [t.ok and task.answer_correct(q, t.result) for t, q in zip(trajs, batch)]
+        f1 += answer_f1(task, trajs, batch)
         ok_main += [t.ok for t in trajs]
         ok_sub += [s.ok for s in subs]
         n_main += [len(t.ids) for t in trajs]
         n_sub += [len(s.ids) for s in subs]
     return {"eval": "greedy" if greedy else "sampled", "eval_success": float(np.mean(correct)),
             "format_main": float(np.mean(ok_main)), "format_sub": float(np.mean(ok_sub)) if ok_sub else None,
-            "longest_main": max(n_main), "longest_sub": max(n_sub, default=None)}
+            "longest_main": max(n_main), "longest_sub": max(n_sub, default=None),
+            **({"eval_f1": float(np.mean(f1))} if f1 else {})}
 
 
 def cold_start_check(level, agents, args, task, search):
@@ -564,7 +593,7 @@ def cold_start_check(level, agents, args, task, search):
     return evaluate(agents["main"], at_level, task, delegate, search, greedy=True, first=first)
 
 
-def train(agents, args, task, search, store, log, start):
+def train(agents, args, task, search, store, log, start, judge=None):
     """Walk the schedule from position `start` (one process, or the main role): evaluations and
     M-GRPO steps, each phase logged and checkpointed by `log`."""
     main_agent, sub = agents["main"], agents.get("sub")
@@ -573,7 +602,7 @@ def train(agents, args, task, search, store, log, start):
         if store:
             store.enter_phase(idx)  # published in the heartbeat, and names the phase's records
         if kind == "step":
-            rec = train_step(main_agent, sub, step, args, task, delegate, search, store)
+            rec = train_step(main_agent, sub, step, args, task, delegate, search, store, judge)
         else:
             rec = {"step": step, **eval_record(main_agent, args, task, delegate, search, greedy)}
             if store:
@@ -628,7 +657,7 @@ def serve_turns(sub, args, task, search, store, phase):
         store.put(f"{phase}-t{turn}-results", {"tasks": rec["tasks"], "results": results})
 
 
-def serve_sub(agents, args, task, search, store, log, start):
+def serve_sub(agents, args, task, search, store, log, start, judge=None):
     """The sub role: every phase of the schedule from position `start` on; in a training step,
     S's side once M's side has written its statistics."""
     sub = agents["sub"]
@@ -641,9 +670,10 @@ def serve_sub(agents, args, task, search, store, log, start):
             check = functools.partial(exchange_ok, n_subs=len(sub_trajs))
             done, questions = store_record(store, phase_key(idx) + "-done", done, check, task)
             align = random.Random(step_seeds(args.seed, step)["align"])
-            batch, _, adv, stats = sub_side(sub_trajs, done["exchange"], questions, task, args.max_sub, align,
+            expert, judged = expert_scores(sub_trajs, done["exchange"], questions, task, judge)
+            batch, _, adv, stats = sub_side(sub_trajs, done["exchange"], questions, expert, args.max_sub, align,
                                             args.w_sub)
-            rec = {"step": step, **stats, **agent_record("sub", train_sub(sub, batch, adv, args)),
+            rec = {"step": step, **stats, **judged, **agent_record("sub", train_sub(sub, batch, adv, args)),
                    "t_step": time.perf_counter() - t0, "t_gen_sub": t_gen,
                    "gen_tokens_sub": sum(sum(s.mask) for s in sub_trajs)}
         log.phase_done(idx, kind, step, rec)
@@ -663,6 +693,7 @@ def main(argv=None):
     task = run.load_task(args.task)
     out = run.start(args)  # seeds, threads, the output folder
     search = run.search_tool(args, task)  # probed: a server that is down stops the run here
+    judge = run.llm_judge(args)  # --judge: r_expert from an LLM (judge.py), probed likewise
     load = functools.partial(load_agent, args=args, task=task)
     with own_out(args, out), run.open_store(args) as store:  # checked before they are touched
         run.doing(store, "loading its models")
@@ -674,7 +705,7 @@ def main(argv=None):
         before_rl(agents, args, task, out, sft_done, check)  # the cold start, when one is due
         log = Log(args, agents, out, store, len(schedule(args)), n_lines)
         walk = serve_sub if args.role == "sub" else train  # S in its own process, or M (and S)
-        walk(agents, args, task, search, store, log, start)
+        walk(agents, args, task, search, store, log, start, judge)
         log.close()  # --report-to's TensorBoard or W&B
     return report(args, agents, out, t_start, paper_D)
 

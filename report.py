@@ -173,12 +173,14 @@ def progress_line(rec, steps):
         flat = ", ".join(f"{who} {rec[key]:.2f}" for who, key in (("M", "zero_var_main"), ("S", "zero_var_sub"))
                          if key in rec)
         return (f"eval after step {rec['step']}: {rec['eval']} success {rec['eval_success']:.3f}"
+                + (f" f1 {rec['eval_f1']:.3f}" if "eval_f1" in rec else "")
                 + (f" (format held: {formats})" if formats else "")
                 + (f"; zero-variance groups since the last evaluation: {flat}" if flat else ""))
     parts = [("main_reward", "R_M {main_reward:.3f} success {success:.3f} zero-var M {zero_var_main:.2f}"),
+             ("f1", "f1 {f1:.3f}"),
              ("sub_reward", "R_S {sub_reward:.3f} zero-var S {zero_var_sub:.2f} dup {n_dup} drop {n_drop}"),
              ("approx_kl_main", "kl {approx_kl_main:.1e} gn {grad_norm_main:.2f}"), ("t_step", "{t_step:.2f}s"),
-             ("t_store", "store {t_store:.2f}s")]
+             ("t_judge", "judge {t_judge:.2f}s ({judge_failed} failed)"), ("t_store", "store {t_store:.2f}s")]
     shown = {k: float("nan") if v is None else v for k, v in rec.items()}  # a skipped step's grad norm
     return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**shown) for key, text in parts if key in rec]
                       + [f"ALARM {', '.join(rec.get('alarm', []))}"] * ("alarm" in rec))

@@ -21,6 +21,9 @@ import numpy as np
 import torch
 import transformers
 
+import judge
+import qa_task
+import retriever
 import smollm2
 from agents import prompt_ids
 from store import FileStore, StoreError
@@ -38,7 +41,10 @@ SHARED_ARGS = ("seed", "steps", "mode", "task", "questions_per_step", "group_siz
 # ---------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def load_task(name):
-    """The task (--task): an importable module's name, or the path of a .py file (loaded once)."""
+    """The task (--task): an importable module's name, the path of a .py file, or qa:QUESTIONS.jsonl
+    (qa_task.py: open questions from a file); loaded once."""
+    if name.startswith("qa:"):
+        return qa_task.QaTask(name[len("qa:"):])
     if not name.endswith(".py"):
         return importlib.import_module(name)
     spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
@@ -104,20 +110,28 @@ def problems(a):
         (a.save_every < 1, "--save-every must be >= 1"),
         (a.report_to not in ("", "tensorboard", "wandb"), "--report-to must be tensorboard or wandb"),
         (a.lora_rank < 0, "--lora-rank must be >= 0"),
+        (a.judge and not re.match(r"https?://", a.judge), "--judge must be an http(s) URL"),
+        (a.judge and a.mode == "single-agent", "--judge scores S's answers: --mode single-agent has no S"),
         (a.report_to in ("tensorboard", "wandb") and not importlib.util.find_spec(a.report_to),
          f"--report-to {a.report_to} needs its package: pip install {a.report_to}")]
     return [message for bad, message in checks if bad]
 
 
 def task_problems(a):
-    """The task must load, and have every level asked for (its make_question says)."""
+    """The task must load (a question file: every line sound), have every level asked for (its make_question
+    says), and words for each word-level model built here."""
     try:
         task = load_task(a.task)
+    except (ImportError, OSError, ValueError, AttributeError) as e:
+        return [f"--task {a.task}: {e}"]
+    built = [n for n in agent_names(a) if not {"main": a.main_model, "sub": a.sub_model}[n]]
+    if getattr(task, "WORDS", ()) is None and built and not a.chat:
+        return [f"--task {a.task} has open questions, which the word-level models built here cannot read: add "
+                "--chat (chat models built here) or give --main-model and --sub-model (instruct models)"]
+    try:
         for level in {a.level, *a.train_levels, *a.cold_start.levels}:
             task.make_question(0, level)
-    except (ImportError, FileNotFoundError, AttributeError) as e:
-        return [f"--task {a.task}: {e}"]
-    except ValueError as e:
+    except (AttributeError, ValueError) as e:
         return [f"--level / --train-levels / the cold start's levels: {e}"]
     return []
 
@@ -177,18 +191,35 @@ def exit_with_parent(parent):
 
 
 def search_tool(args, task):
-    """The task's own tool (--search toy) or an HTTP search server, probed once where an agent of this
-    process searches, so that a server that is down stops the run here, clearly, before any training."""
+    """The task's own tool (--search toy), BM25 over a corpus in-process (bm25:CORPUS), or an HTTP search
+    server: Search-R1's API for a URL that ends in /retrieve, else SearXNG's. A server is probed once where
+    an agent of this process searches, so that one that is down stops the run here, clearly, before any training."""
+    start = "the toy server starts with: python toy_server.py --port PORT"
     if args.search == "toy":
         search = task.search_tool()
+    elif args.search.startswith("bm25:"):
+        search = retriever.Bm25Search(args.search[len("bm25:"):])
+    elif args.search.rstrip("/").endswith("/retrieve"):
+        search = retriever.RetrieveClient(args.search)
+        start = "this repository's retriever starts with: python retriever.py serve CORPUS --port PORT"
     else:
         search = HttpSearch(args.search)
+    if hasattr(task, "use_search"):  # a task whose demos search (qa_task.py) searches with the run's tool
+        task.use_search(search)
     if args.mode == "single-agent" or "sub" in agent_names(args):
         try:
             search.search("ada", 0, args.level)
         except SearchError as e:
-            raise SearchError(f"{e}; the toy server starts with: python toy_server.py --port PORT") from None
+            raise SearchError(f"{e}; {start}") from None
     return search
+
+
+def llm_judge(args):
+    """--judge's client (judge.py) where this process holds S, whose rewards it scores; None without one.
+    It asks the server for its model here, once: a judge that is down stops the run before any training."""
+    if not args.judge or args.mode == "single-agent" or "sub" not in agent_names(args):
+        return None
+    return judge.Judge(args.judge)
 
 
 def open_store(args):

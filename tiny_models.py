@@ -70,7 +70,8 @@ def chat_tokenizer(task, vocab_size=768):
     in a second from a task's conversations, with the Qwen-style template."""
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
     rng = random.Random(0)
-    corpus = [task.SYSTEM[w] + json.dumps([TOOLS[n] for n in CHAT_TOOLS[w]]) for w in task.SYSTEM]
+    schemas = getattr(task, "TOOLS", TOOLS)  # the task's own descriptions of the tools, if it has them
+    corpus = [task.SYSTEM[w] + json.dumps([schemas[n] for n in CHAT_TOOLS[w]]) for w in task.SYSTEM]
     corpus += 50 * [QWEN_STYLE_TEMPLATE, "system\nuser\nassistant\n"]
     for s in range(300):
         try:

@@ -70,18 +70,20 @@ def _action(tag, arg):
     return (tag, arg) if arg and not _TAG.search(arg) and clean_text(arg) == arg else None
 
 
-def _tool(name, description, arg, arg_description):
+def tool_schema(name, description, arg, arg_description):
     return {"type": "function", "function": {
         "name": name, "description": description,
         "parameters": {"type": "object", "properties": {arg: {"type": "string", "description": arg_description}},
                        "required": [arg]}}}
 
 
-TOOLS = {  # the chat models' tools, as JSON schemas for the chat template
-    "sub_agent": _tool("sub_agent", "Ask the sub-agent, which can search, to look up one fact. It returns one word.",
-                       "task", "'<relation> of <name>', relation one of city, country, friend; e.g. 'city of ada'"),
-    "search": _tool("search", "Search the web. Returns results: title, url, snippet.", "query", "what to search for"),
-    "visit": _tool("visit", "Read the page at a url from the search results.", "url", "the url"),
+TOOLS = {  # the chat models' tools, as JSON schemas for the chat template; a task may describe them its own way (TOOLS)
+    "sub_agent": tool_schema("sub_agent", "Ask the sub-agent, which can search, to look up one fact. It returns one "
+                             "word.", "task", "'<relation> of <name>', relation one of city, country, friend; e.g. "
+                             "'city of ada'"),
+    "search": tool_schema("search", "Search the web. Returns results: title, url, snippet.", "query",
+                          "what to search for"),
+    "visit": tool_schema("visit", "Read the page at a url from the search results.", "url", "the url"),
 }
 CHAT_TOOLS = {"main": ("sub_agent",), "sub": ("search", "visit"), "single": ("search", "visit")}  # per agent
 TOOL_ACTION = {"sub_agent": ("call", "task"), "search": ("search", "query"), "visit": ("visit", "url")}
@@ -208,9 +210,10 @@ class HttpSearch:
         self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), timeout, retries, backoff
         self.max_bytes, self.visit_hosts = max_bytes, {h.strip().lower() for h in visit_hosts if h.strip()}
 
-    def _get(self, url, params, what):
-        """(response, text cut to max_bytes, was it longer?) of a GET with a total deadline; retries
-        connection errors, timeouts and 5xx with backoff. Redirects are answers, not followed."""
+    def _request(self, url, params, what, payload=None):
+        """(response, text cut to max_bytes, was it longer?) of a GET, or a POST of `payload` as JSON, with a
+        total deadline; retries connection errors, timeouts and 5xx with backoff. Redirects are answers,
+        not followed."""
         import requests
         import urllib3
         for attempt in range(self.retries + 1):
@@ -218,8 +221,9 @@ class HttpSearch:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             deadline, body = time.monotonic() + self.timeout, bytearray()
             try:  # read1: what one recv brings, so the deadline is checked after each small read
-                with requests.get(url, timeout=self.timeout, params=params, stream=True, allow_redirects=False,
-                                  headers={"Accept-Encoding": "identity"}) as r:
+                with requests.request("GET" if payload is None else "POST", url, params=params, json=payload,
+                                      timeout=self.timeout, stream=True, allow_redirects=False,
+                                      headers={"Accept-Encoding": "identity"}) as r:
                     if r.headers.get("Content-Encoding", "identity") != "identity":  # no decompression bombs
                         raise SearchError(f"{what} sent a compressed body, asked for none")
                     while len(body) <= self.max_bytes and (chunk := r.raw.read1(65536, decode_content=False)):
@@ -241,7 +245,7 @@ class HttpSearch:
     def search(self, query, seed, level):
         """The results; a body over max_bytes or not of their shape (wrong types, deep nesting): SearchError."""
         params = {"q": clean_text(query), "format": "json", "kb": seed, "level": level}  # a real server ignores kb
-        r, text, over = self._get(f"{self.url}/search", params, f"search server {self.url}")
+        r, text, over = self._request(f"{self.url}/search", params, f"search server {self.url}")
         if r.status_code != 200:
             raise SearchError(f"search server {self.url} answered {r.status_code}: {text[:200]}")
         if over:
@@ -265,7 +269,7 @@ class HttpSearch:
         if url not in allowed and (host_port(url) or (None, None))[1] not in self.visit_hosts:
             raise SearchError(NOT_AMONG.format(url[:200]))
         for hops in range(4):
-            r, text, _ = self._get(url, {}, f"page {url[:200]}")
+            r, text, _ = self._request(url, {}, f"page {url[:200]}")
             if r.status_code not in (301, 302, 303, 307, 308):
                 break
             to, here = urljoin(url, r.headers.get("Location", "")), host_port(url)

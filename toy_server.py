@@ -1,6 +1,7 @@
 """The toy task's search tool as an HTTP server on 127.0.0.1, shaped like SearXNG's JSON API (the toy
 task's docstring, toy_tools.py, gives its paths): what `--search URL` reaches, with the same results
-and pages as the in-process tool.
+and pages as the in-process tool. Its server (`Server`: a thread per connection, deadlines, room made
+by closing the oldest connection that has not sent its request) serves retriever.py's index too.
 
     python toy_server.py --port 8765
 """
@@ -8,6 +9,7 @@ import argparse
 import json
 import re
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
@@ -23,13 +25,23 @@ def served_page(path):
     return page_text(int(m.group(1)), int(m.group(2)), m.group(3)) if m and int(m.group(2)) in N_SNIPPETS else None
 
 
-class _Handler(BaseHTTPRequestHandler):
+def cut(sock):
+    """End a connection that another thread may be reading: its blocked read returns, and that thread closes it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class DeadlineHandler(BaseHTTPRequestHandler):
+    """A handler whose connection is cut after `timeout` seconds of silence or `total_timeout` in all.
+    A subclass calls self.server.working(self.request) once it holds its whole request."""
     timeout = 10.0        # seconds a connection may sit silent before it is closed
     total_timeout = 30.0  # seconds a connection may last in all (one that trickles is cut too)
 
     def setup(self):
         super().setup()
-        self.deadline = threading.Timer(self.total_timeout, self.cut)
+        self.deadline = threading.Timer(self.total_timeout, cut, (self.connection,))
         self.deadline.daemon = True
         self.deadline.start()
 
@@ -37,13 +49,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.deadline.cancel()
         super().finish()
 
-    def cut(self):
-        try:
-            self.connection.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns
-        except OSError:
-            pass
+    def log_message(self, *args):  # keep the training log clean
+        pass
 
+
+class _Handler(DeadlineHandler):
     def do_GET(self):
+        self.server.working(self.request)
         u = urlparse(self.path)
         qs = parse_qs(u.query)
         ctype = "application/json"
@@ -74,39 +86,66 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def log_message(self, *args):  # keep the training log clean
-        pass
 
+class Server(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` of them: at the bound, the oldest connection
+    that has not yet sent its whole request is closed to make room for the new one.
 
-class ToyServer(ThreadingHTTPServer):
-    """The toy search server: a thread per connection, at most `max_connections` at once (one more
-    is closed at once), each cut after its handler's `timeout` of silence."""
+    Why: anyone can open connections and send nothing, or half a request. A server that refuses
+    connections past its bound is locked by as many idle sockets until their timeouts; one that never
+    bounds them runs out of threads and file descriptors. Closing the oldest waiting connection keeps
+    the bound and lets idle sockets push out only each other, while a client that sends its request at
+    once is answered. A connection whose request is in (`working`) is never closed for room: its answer
+    is near. Threads, not an event loop, keep each handler plain blocking code; each connection's
+    deadlines (DeadlineHandler) end the ones that stall."""
     daemon_threads = True
+    request_queue_size = 128  # connections the kernel queues until accepted (socketserver's default: 5)
 
-    def __init__(self, address, max_connections=32):
-        super().__init__(address, _Handler)
-        self.slots = threading.BoundedSemaphore(max_connections)
+    def __init__(self, address, handler, max_connections=64):
+        super().__init__(address, handler)
+        self.max_connections, self.lock = max_connections, threading.Lock()
+        self.connections = {}  # each open connection -> True while it waits for its request; oldest first
 
     def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):  # full: this connection is refused
-            self.shutdown_request(request)
-            return
+        with self.lock:
+            if len(self.connections) >= self.max_connections:
+                oldest = next((c for c, waits in self.connections.items() if waits), None)
+                if oldest is None:  # every connection is being answered: this one waits for none
+                    self.shutdown_request(request)
+                    return
+                del self.connections[oldest]
+                cut(oldest)
+            self.connections[request] = True
         try:
             super().process_request(request, client_address)
-        except BaseException:  # no thread to give the slot back
-            self.slots.release()
+        except BaseException:  # no thread started to forget it
+            self.forget(request)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self.forget(request)
+
+    def working(self, request):
+        """The handler holds its whole request: from now on the connection is not closed for room."""
+        with self.lock:
+            if request in self.connections:
+                self.connections[request] = False
+
+    def forget(self, request):
+        with self.lock:
+            self.connections.pop(request, None)
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # a connection cut (room, deadline, client) is no error
+            super().handle_error(request, client_address)
 
 
-def make_server(port=0, max_connections=32):
+def make_server(port=0, max_connections=64):
     """A toy search server on 127.0.0.1 (port 0: any free port); call .serve_forever()."""
-    return ToyServer(("127.0.0.1", port), max_connections)
+    return Server(("127.0.0.1", port), _Handler, max_connections)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,25 @@
 """The toy deep-research task. It is one task among many: mgrpo.py reaches a task only through the
 interface below, and this module is its implementation for the toy world (tests/sum_task.py is a
-second task, of another shape). A task is a module, `--task NAME`, or a file, `--task path/to/task.py`,
-with:
+second task, of another shape; qa_task.py, open questions from a file, `--task qa:questions.jsonl`). A
+task is a module, `--task NAME`, or a file, `--task path/to/task.py`, with:
 
     WORDS                                    its words: the word-level vocabulary of models built in code
+                                                (None: an open vocabulary, for chat models only)
     SYSTEM                                   {"main", "sub", "single"}: the chat models' system prompts
-    make_question(seed, level)               -> an object with .seed, .level, .text (ValueError: no such level)
+    make_question(seed, level)               -> an object with .seed, .level, .text (ValueError: no such level);
+                                                seeds from 2**40 (mgrpo.EVAL_SEED) on are evaluations'
     answer_correct(question, answer)         -> bool: r_correct of R_M (the paper's eq. 4)
-    expert_score(question, subtask, result)  -> float in [0, 1]: r_expert of R_S (the paper's eq. 5)
+    expert_score(question, subtask, result,  -> float in [0, 1]: r_expert of R_S (the paper's eq. 5), given
+                 reads)                         the text of each tool result S read (--judge replaces it)
     search_tool()                            -> .search(query, seed, level) -> [{"url", "title", "content"}]
                                                 and .visit(url, seed, level, max_chars, allowed) -> text;
                                                 both raise tools.SearchError
     demo(question, rng, noise, kind, chat)   -> a scripted conversation (messages) of agent `kind` (main,
                                                 sub, single) for the cold start
+and optionally
+    TOOLS                                    the chat models' tool schemas by name (default: tools.TOOLS)
+    f1(question, answer)                     -> float in [0, 1], logged beside r_correct (f1, eval_f1)
+    use_search(search)                       is handed the run's search tool before any demo is made
 
 The toy world: every question has its own knowledge base, made from the question's seed, so nothing
 can be memorised. "country of ada ?" needs the city where ada lives and that city's country, read off
@@ -169,8 +176,9 @@ def answer_correct(q, answer):
     return answer is not None and answer.strip().lower() == q.answer
 
 
-def expert_score(q, task, result):
-    """r_expert of eq. 5 (the paper uses an LLM judge): did the sub-agent return the fact its sub-task asked for?"""
+def expert_score(q, task, result, reads):
+    """r_expert of eq. 5 (the paper uses an LLM judge, as --judge does): did the sub-agent return the fact its
+    sub-task asked for? The toy world knows the fact, so what S read (`reads`) is not needed."""
     parsed = parse_subtask(task)
     if parsed is None or result is None:
         return 0.0

@@ -34,7 +34,7 @@ def system_error(q, chain, traj, subs):
             return f"M answered after {h - 1} calls"
         if calls[h - 1].task.strip() != task:
             return f"M wrote sub-task {h} wrong"
-        if not toy_tools.expert_score(q, task, calls[h - 1].result):
+        if not toy_tools.expert_score(q, task, calls[h - 1].result, calls[h - 1].reads):
             return f"S misread hop {h}"
     return "M's answer is not the value S returned"
 

@@ -70,7 +70,7 @@ def miss_places(qs, trajs):
     list, and no other, copies only from so far back (experiments/stage1.md)."""
     places = {}
     for q, t in zip(qs, trajs):
-        if toy_tools.expert_score(q, t.task, t.result):
+        if toy_tools.expert_score(q, t.task, t.result, t.reads):
             continue
         place = fact_place(q, t.task)
         places[place] = places.get(place, 0) + 1
@@ -183,7 +183,7 @@ def probe_sub(sub, args):
             acc = []
             for greedy in (True, False):
                 trajs = mgrpo.run_sub_agents(sub, args, toy_tools.ToySearch(), ts, qs, seed=0, greedy=greedy)
-                acc.append(sum(toy_tools.expert_score(q, t.task, t.result) for q, t in zip(qs, trajs)) / len(qs))
+                acc.append(sum(toy_tools.expert_score(q, t.task, t.result, t.reads) for q, t in zip(qs, trajs)) / len(qs))
                 if greedy:
                     for place, n in miss_places(qs, trajs).items():
                         misses[level][place] = misses[level].get(place, 0) + n

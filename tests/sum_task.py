@@ -36,7 +36,7 @@ def answer_correct(q, answer):
     return answer is not None and answer.strip().lower() == q.answer
 
 
-def expert_score(q, task, result):
+def expert_score(q, task, result, reads):
     w = task.lower().split()
     ok = len(w) == 3 and w[:2] == ["value", "of"] and w[2] in NAMES and result is not None
     return float(ok and result.strip().lower() == NUMBERS[values(q.seed)[w[2]]])

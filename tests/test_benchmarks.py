@@ -1,4 +1,5 @@
 """The benchmarks (benchmarks/) run, and their figures have the shape they print."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -41,3 +42,14 @@ def test_bench_scoring_script_runs():
     rows = [line.split() for line in r.stdout.splitlines()[-2:]]
     assert [row[:2] for row in rows] == [["main", "3"], ["sub", "3"]]
     assert all(int(row[4]) > 250 and float(row[6]) > 0 and float(row[7]) > 0 for row in rows)  # the system prompt, shared
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bm25s") is None, reason="needs bm25s: pip install bm25s")
+def test_bench_retriever_script_runs():
+    """The retriever's benchmark: a build, a cache load (no second build) and both latency rows."""
+    r = bench("bench_retriever", "--passages", "500", "--queries", "10", "--vocabulary", "2000")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert sum("indexing 500 passages" in line for line in lines) == 1
+    rows = [line.split() for line in lines[-2:]]
+    assert [row[0] for row in rows] == ["in-process", "over"] and all(float(row[-2]) > 0 for row in rows)

@@ -51,6 +51,11 @@ def agents():
     return args, helpers.load_agent("", args, seed=1), helpers.load_agent("", args, seed=2)
 
 
+def toy_expert(subs, exchange):
+    """The toy task's r_expert of each sub-trajectory (eq. 5), as a step computes it before alignment."""
+    return mgrpo.expert_scores(subs, exchange, Q[:1], toy_tools)[0]
+
+
 def scripted_rollout(agents, plan, questions, monkeypatch):
     args, main, sub = agents
     monkeypatch.setattr(mgrpo, "generate", forced(plan))
@@ -69,7 +74,7 @@ def test_the_worked_example_through_the_rollout_and_both_sides(agents, monkeypat
     assert adv_main.tolist() == pytest.approx([-0.8923, 0.9972, 0.9972, -1.1022], abs=1e-4)     # eq. 9-10
     assert [(e["rollout"], e["correct"], len(e["subs"])) for e in exchange] == [
         (0, False, 0), (1, True, 1), (2, True, 2), (3, False, 4)]
-    batch, r_sub, adv_sub, st = mgrpo.sub_side(subs, exchange, Q[:1], toy_tools, D, random.Random(0), args.w_sub)
+    batch, r_sub, adv_sub, st = mgrpo.sub_side(subs, exchange, Q[:1], toy_expert(subs, exchange), D, random.Random(0), args.w_sub)
     # the tutorial's aligned slots (3,3) (3,0) (1,0) (1,0) (2,0) (2,1) (3,1) (3,3), as sub-tasks (eq. 11)
     assert [t.task for t in batch] == [f"city of {p}" for p in ("gus", "dex", "ada", "ada", "bo", "cy", "eli", "gus")]
     assert r_sub.tolist() == pytest.approx([0.6, 0.6, 1.0, 1.0, 1.0, 0.5, 0.0, 0.6])           # eq. 5
@@ -94,7 +99,7 @@ def test_a_borrowed_or_duplicated_slot_carries_the_correctness_of_the_rollout_th
     _, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, toy_tools)
     for seed in range(20):  # many draws of the borrowed and dropped slots
         rng = random.Random(seed)
-        batch, r_sub, adv_sub, _ = mgrpo.sub_side(subs, exchange, Q[:1], toy_tools, D, random.Random(seed), args.w_sub)
+        batch, r_sub, adv_sub, _ = mgrpo.sub_side(subs, exchange, Q[:1], toy_expert(subs, exchange), D, random.Random(seed), args.w_sub)
         pairs = mgrpo.align_sub_trajectories([0, 1, 3, 2], D, rng)
         by_hand = []
         for (k, i), t in zip(pairs, batch):
@@ -142,7 +147,7 @@ def test_groups_are_each_querys_K_rollouts_and_advantages_follow_the_batch(agent
     for q in range(2):
         group = s_adv[q * D * K:(q + 1) * D * K]
         rs = [mgrpo.sub_reward(t.ok, r[Q[order[q]].text][t.k] == 1.0,
-                               toy_tools.expert_score(Q[order[q]], t.task, t.result)) for t in s_trajs[q * D * K:(q + 1) * D * K]]
+                               toy_tools.expert_score(Q[order[q]], t.task, t.result, t.reads)) for t in s_trajs[q * D * K:(q + 1) * D * K]]
         assert group.tolist() == pytest.approx(mgrpo.group_advantages(rs).tolist(), abs=1e-5)
         assert abs(float(group.sum())) < 1e-4
 
@@ -153,7 +158,7 @@ def test_reward_weights_reach_the_rewards(agents, monkeypatch):
     mains, subs = scripted_rollout(agents, TUTORIAL, Q[:1], monkeypatch)
     r_main, _, exchange, _ = mgrpo.main_side(mains, Q[:1], K, toy_tools, w_format=0.3)
     assert r_main.tolist() == pytest.approx([0.3, 1.0, 1.0, 0.0])
-    _, r_sub, _, _ = mgrpo.sub_side(subs, exchange, Q[:1], toy_tools, D, random.Random(0), args.w_sub)
+    _, r_sub, _, _ = mgrpo.sub_side(subs, exchange, Q[:1], toy_expert(subs, exchange), D, random.Random(0), args.w_sub)
     # slots as in the tutorial: (3,3) (3,0) right fact, M wrong; (1,0) (2,0) right, M right; (2,1) wrong fact
     assert r_sub.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 0.5, 0.0, 0.7])
 

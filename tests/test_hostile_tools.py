@@ -45,6 +45,7 @@ def serving(respond):
                 respond(self)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client gave up on us, as it should
+        do_POST = do_GET  # the /retrieve client (tests/test_retriever.py) posts
 
         def log_message(self, *args):
             pass
@@ -192,17 +193,20 @@ def test_html_text_of_hostile_pages():
     assert tools.html_text("<header>h</header><head>x</head>b") == "h b"
 
 
+def trickle(h):
+    """An answer of one byte every 0.2 s, 4 s in all (each read is quick: only a total deadline ends it)."""
+    h.send_response(200)
+    h.send_header("Content-Length", "20")
+    h.end_headers()
+    for _ in range(20):
+        h.wfile.write(b"x")
+        h.wfile.flush()
+        time.sleep(0.2)
+
+
 def test_a_trickling_server_cannot_hold_a_request():
     """One byte every 0.2 s: each read is quick, so a per-read timeout never fires; the total
     deadline ends the request at about timeout + one read."""
-    def trickle(h):
-        h.send_response(200)
-        h.send_header("Content-Length", "20")
-        h.end_headers()
-        for _ in range(20):
-            h.wfile.write(b"x")
-            h.wfile.flush()
-            time.sleep(0.2)
     with serving(trickle) as (url, _):
         for call in (lambda: tools.HttpSearch(url, timeout=0.5, retries=0).search("ada", 1, 1),
                      lambda: tools.HttpSearch(url, timeout=0.5, retries=0, visit_hosts={"127.0.0.1"}).visit(url + "/p")):
@@ -472,7 +476,7 @@ def test_fuzz_every_parser_checker_and_tool_with_hostile_strings():
         check("parse_subtask", lambda: tt.parse_subtask(s),
               lambda v: v is None or (v[0] in tt.RELATIONS and isinstance(v[1], str)))
         check("answer_correct", lambda: tt.answer_correct(q, s), lambda v: v in (True, False))
-        check("expert_score", lambda: tt.expert_score(q, s, s), lambda v: v in (0.0, 1.0))
+        check("expert_score", lambda: tt.expert_score(q, s, s, [s]), lambda v: v in (0.0, 1.0))
         check("stable_seed", lambda: tools.stable_seed(s, 1, "sub", s), lambda v: 0 <= v < 2 ** 32)
         # a query that names many entities leaves fewer distractors that name none of their values
         results = check("search_results", lambda: tt.search_results(q.seed, q.level, s),

@@ -18,6 +18,7 @@ import checkpoints
 import helpers
 import mgrpo
 import store as store_module
+import tools
 import toy_server
 from checkpoints import load_checkpoint, save_checkpoint
 from store import FileStore, StoreError
@@ -388,12 +389,19 @@ def test_the_toy_server_cuts_a_connection_that_trickles(server, monkeypatch):
 
 
 def test_the_toy_server_bounds_its_connections(server, monkeypatch):
+    """At its bound (2 here) a new connection closes the oldest one that has sent no request: idle
+    connections push out only each other, the bound holds, and a client is answered at once."""
     monkeypatch.setattr(toy_server._Handler, "timeout", 5.0)  # the held ones wait long
     port = server.server_address[1]
-    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]  # both slots taken
-    time.sleep(0.2)
-    extra = socket.create_connection(("127.0.0.1", port))
-    assert closed_within(extra, 0.8)  # refused at once, long before the held ones time out
+    held = []
+    for _ in range(4):
+        held.append(socket.create_connection(("127.0.0.1", port)))
+        time.sleep(0.1)  # accepted in this order
+    assert closed_within(held[0], 0.8) and closed_within(held[1], 0.8)  # long before their timeout
+    assert not closed_within(held[2], 0.3) and not closed_within(held[3], 0.3)
+    t0 = time.time()
+    assert tools.HttpSearch(f"http://127.0.0.1:{port}", retries=0, timeout=5).search("ada", 1, 1)
+    assert time.time() - t0 < 2
     for s in held:
         s.close()
 

@@ -162,13 +162,13 @@ def test_reward_checkers():
     q = tt.make_question(9, 2)
     kb = tt.knowledge_base(9, 2)
     assert tt.answer_correct(q, q.answer) and not tt.answer_correct(q, "ada") and not tt.answer_correct(q, None)
-    assert tt.expert_score(q, "friend of ada", kb[("friend", "ada")]) == 1.0
-    assert tt.expert_score(q, "city of ada", "nowhere") == 0.0
-    assert tt.expert_score(q, "country of ada", "x") == 0.0  # ada is no city: asks for nothing
-    assert tt.expert_score(q, "banana", "x") == 0.0
-    assert tt.expert_score(q, "city of ada", None) == 0.0
+    assert tt.expert_score(q, "friend of ada", kb[("friend", "ada")], []) == 1.0
+    assert tt.expert_score(q, "city of ada", "nowhere", ["nowhere"]) == 0.0
+    assert tt.expert_score(q, "country of ada", "x", []) == 0.0  # ada is no city: asks for nothing
+    assert tt.expert_score(q, "banana", "x", []) == 0.0
+    assert tt.expert_score(q, "city of ada", None, []) == 0.0
     # what chat models write: capitals, punctuation
-    assert tt.answer_correct(q, " " + q.answer.capitalize()) and tt.expert_score(q, "City of Ada", kb[("city", "ada")].upper())
+    assert tt.answer_correct(q, " " + q.answer.capitalize()) and tt.expert_score(q, "City of Ada", kb[("city", "ada")].upper(), [])
     assert tt.fact_text("city", "ada", kb[("city", "ada")]) in [r["content"] for r in tt.search_results(9, 2, "Ada?")]
 
 

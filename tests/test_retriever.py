@@ -338,7 +338,7 @@ def test_the_client_posts_search_r1s_request_and_reads_its_reply():
     seen = []
 
     def respond(h):
-        seen.append((h.command, h.path, json.loads(h.rfile.read(int(h.headers["Content-Length"])))))
+        seen.append((h.command, h.path, json.loads(h.body)))
         answer(h, 200, reply([[DOC, {"document": {"contents": "No id\ntext \ud800"}, "score": 0}]]),
                Content_Type="application/json")
     with serving(respond) as (url, _):

@@ -49,7 +49,7 @@ import run
 from agents import Traj, load_agent, message_ids, new_traj
 from checkpoints import own_out, resume_or_start
 from cold_start import ColdStart, before_rl, parse_cold_start
-from report import Log, UpdateLog, agent_record, report, step_record
+from report import Log, UpdateLog, agent_record, answer_f1, report, skipped_in_a_row, step_record
 from sampling import Kept, batch_logprobs, collate, generate, reference_logprobs, token_logprobs
 from records import exchange_ok, phase_key, results_ok, store_record, tasks_ok
 from store import StoreError
@@ -414,20 +414,6 @@ def within_kl(agent, batch, before, max_kl, micro_batch=0):
             p.lerp_(b, 0.5)
 
 
-MAX_SKIPPED = 3  # updates in a row whose loss or gradient is not finite, before the run stops
-
-
-def skipped_in_a_row(agent, skipped):
-    """Count updates with a skipped step in a row; warn, and stop the run at MAX_SKIPPED."""
-    agent.skipped = agent.skipped + 1 if skipped else 0
-    if skipped:
-        print(f"warning: a step with a non-finite loss or gradient was skipped ({agent.skipped} "
-              f"in a row; {MAX_SKIPPED} stop the run)", flush=True)
-    if agent.skipped >= MAX_SKIPPED:
-        raise FloatingPointError(f"{MAX_SKIPPED} updates in a row had a non-finite loss or "
-                                 "gradient norm: the weights or the data are broken; stopping")
-
-
 # =========================================================================================
 # 6. One M-GRPO step. M's side and S's side share only `exchange`, a list of plain dicts, so
 #    that they can run in two processes around the file store (section 8)
@@ -444,11 +430,6 @@ def main_side(main_trajs, questions, K, task, w_format=0.1):
     f1 = answer_f1(task, main_trajs, [questions[t.q] for t in main_trajs])
     return r_main, adv, exchange, {"success": float(np.mean(correct)), "zero_var_main": zero_var,
                                    **({"f1": float(np.mean(f1))} if f1 else {})}
-
-
-def answer_f1(task, trajs, questions):
-    """The F1 of each answer where the task has one (qa_task.py), logged beside r_correct, not a reward; []."""
-    return [task.f1(q, t.result) if t.ok else 0.0 for t, q in zip(trajs, questions)] if hasattr(task, "f1") else []
 
 
 def sub_side(sub_trajs, exchange, questions, expert, D, rng, w=(0.1, 0.4, 0.5)):

@@ -121,6 +121,25 @@ UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "s
                 "halved")
 
 
+MAX_SKIPPED = 3  # updates in a row whose loss or gradient is not finite, before the run stops
+
+
+def skipped_in_a_row(agent, skipped):
+    """Count updates with a skipped step in a row; warn, and stop the run at MAX_SKIPPED."""
+    agent.skipped = agent.skipped + 1 if skipped else 0
+    if skipped:
+        print(f"warning: a step with a non-finite loss or gradient was skipped ({agent.skipped} "
+              f"in a row; {MAX_SKIPPED} stop the run)", flush=True)
+    if agent.skipped >= MAX_SKIPPED:
+        raise FloatingPointError(f"{MAX_SKIPPED} updates in a row had a non-finite loss or "
+                                 "gradient norm: the weights or the data are broken; stopping")
+
+
+def answer_f1(task, trajs, questions):
+    """The F1 of each answer where the task has one (qa_task.py), logged beside r_correct, not a reward; []."""
+    return [task.f1(q, t.result) if t.ok else 0.0 for t, q in zip(trajs, questions)] if hasattr(task, "f1") else []
+
+
 def agent_record(name, update):
     """An agent's update statistics as metrics.jsonl names them (clip_frac_main, ...)."""
     return {**{f"{k}_{name}": update[k] for k in UPDATE_STATS if k in update},

@@ -11,6 +11,7 @@ import torch
 
 import helpers
 import mgrpo
+import report
 import tools
 import toy_tools
 import tiny_models
@@ -183,12 +184,12 @@ def test_a_non_finite_step_is_skipped_and_three_in_a_row_stop_the_run(args, agen
     trajs = [encode_demo(agent, toy_tools.sub_demo(toy_tools.make_question(1, 1), random.Random(1), 0.0), "sub")]
     before = copy.deepcopy(agent.model.state_dict())
     nan, one = torch.tensor([float("nan")]), torch.tensor([1.0])
-    for _ in range(mgrpo.MAX_SKIPPED - 1):
+    for _ in range(report.MAX_SKIPPED - 1):
         assert mgrpo.update_agent(agent, trajs, nan, args)["skipped"] == 1
     assert all(torch.equal(v, agent.model.state_dict()[k]) for k, v in before.items())  # no weight moved
     assert agent.opt.state_dict()["state"] == {} and "was skipped (2 in a row" in capsys.readouterr().out
     assert mgrpo.update_agent(agent, trajs, one, args)["skipped"] == 0 and agent.skipped == 0  # count anew
-    for _ in range(mgrpo.MAX_SKIPPED - 1):
+    for _ in range(report.MAX_SKIPPED - 1):
         mgrpo.update_agent(agent, trajs, nan, args)
     with pytest.raises(FloatingPointError, match="3 updates in a row"):
         mgrpo.update_agent(agent, trajs, nan, args)

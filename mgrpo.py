@@ -53,7 +53,7 @@ from report import Log, UpdateLog, agent_record, answer_f1, report, skipped_in_a
 from sampling import Kept, batch_logprobs, collate, generate, reference_logprobs, token_logprobs
 from records import exchange_ok, phase_key, results_ok, store_record, tasks_ok
 from store import StoreError
-from tools import FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
+from tools import EVAL_SEED, FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
 
 
 def arg(default, help, **argparse_kw):
@@ -517,9 +517,6 @@ def train_step(main_agent, sub, step, args, task, delegate, search=None, store=N
 # =========================================================================================
 # 7. Training: the schedule of evaluations and steps, walked by one process or by both roles
 # =========================================================================================
-EVAL_SEED = 2 ** 40  # question seeds at or above this are never used for training
-
-
 def schedule(args):
     """The phases both roles walk through in the same order: (kind, step, greedy)."""
     phases = [("eval", 0, False), ("eval", 0, True)]

@@ -6,7 +6,7 @@ The question file holds one JSON object a line: {"question": str, "answers": [st
 "id" (a string or an integer) and "split" ("train" or "test"); other keys are ignored. A line without a
 split is held out by a hash of its question: one in TEST_SHARE goes to the test split, the same ones on
 every machine. Training questions come from the train split alone, evaluations' from the test split
-alone (question seeds at or above EVAL_SEED, mgrpo.EVAL_SEED), in the file's order, from the first again
+alone (question seeds at or above tools.EVAL_SEED), in the file's order, from the first again
 when --eval-questions asks for more (so do the cold start's checks); a train question that is also a test
 question (the same once normalized) is dropped from training. A malformed line stops the run at start-up
 with its file and line number. docs/own-questions.md: HotpotQA and Wikipedia in these shapes.
@@ -27,10 +27,9 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 
-from retriever import json_lines
-from tools import SearchError, action_text, clean_text, search_observation, stable_seed, tool_schema
+from tools import (EVAL_SEED, SearchError, action_text, clean_text, json_lines, search_observation, stable_seed,
+                   tool_schema)
 
-EVAL_SEED = 2 ** 40  # mgrpo.EVAL_SEED: a question seed at or above it is an evaluation's, a test question
 TEST_SHARE = 10      # a file without splits: 1 question in 10 (by a hash of its text) is held out
 MAX_LINE = 100_000   # bytes of one line of the question file (an answer may come with many aliases)
 MAX_QUESTION = 2000  # characters of one question

@@ -34,7 +34,7 @@ from urllib.parse import quote, urlparse
 
 import numpy as np
 
-from tools import NOT_AMONG, VISIT_CHARS, HttpSearch, SearchError, clean_text, stable_seed
+from tools import NOT_AMONG, VISIT_CHARS, HttpSearch, SearchError, clean_text, json_lines, stable_seed
 from toy_server import DeadlineHandler, Server
 
 TOPK = 3             # passages per search, as Search-R1 trains with
@@ -67,28 +67,6 @@ def doc_url(doc_id):
 # ---------------------------------------------------------------------------------------
 # The corpus and its index
 # ---------------------------------------------------------------------------------------
-def json_lines(path, max_line, digest=None):
-    """(line number, 'PATH, line N', object) of each line of a JSONL file that is not blank; a line over
-    max_line bytes, not UTF-8 or not JSON is a ValueError that names the file and the line. digest: a
-    hashlib object, fed every byte read. The question files of qa_task.py are read with it too."""
-    with open(path, "rb") as f:
-        for n, raw in enumerate(iter(lambda: f.readline(max_line + 1), b""), 1):
-            if digest:
-                digest.update(raw)
-            where = f"{path}, line {n}"
-            if len(raw) > max_line:
-                raise ValueError(f"{where}: longer than {max_line} bytes")
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                raise ValueError(f"{where}: not UTF-8") from None
-            except (ValueError, RecursionError):
-                raise ValueError(f"{where}: not JSON") from None
-            yield n, where, obj
-
-
 def read_corpus(path):
     """(ids, contents, SHA-256 of the file) of a corpus: contents is 'title\\ntext', the title on one line.
     A malformed line is a ValueError naming the file and the line."""

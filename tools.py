@@ -23,9 +23,34 @@ def stable_seed(*parts):
     return zlib.crc32("|".join(map(str, parts)).encode("utf-8", "surrogatepass"))
 
 
+EVAL_SEED = 2 ** 40  # the task interface: question seeds at or above this are evaluations', never training's
+
+
 def clean_text(s):
     """s with lone surrogates made '?': outside text (servers, pages, JSON escapes) any tokenizer takes."""
     return s.encode("utf-8", "replace").decode("utf-8")
+
+
+def json_lines(path, max_line, digest=None):
+    """(line number, 'PATH, line N', object) of each line of a JSONL file that is not blank; a line over
+    max_line bytes, not UTF-8 or not JSON is a ValueError that names the file and the line. digest: a
+    hashlib object, fed every byte read. Corpora (retriever.py) and question files (qa_task.py) are read with it."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(iter(lambda: f.readline(max_line + 1), b""), 1):
+            if digest:
+                digest.update(raw)
+            where = f"{path}, line {n}"
+            if len(raw) > max_line:
+                raise ValueError(f"{where}: longer than {max_line} bytes")
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ValueError(f"{where}: not UTF-8") from None
+            except (ValueError, RecursionError):
+                raise ValueError(f"{where}: not JSON") from None
+            yield n, where, obj
 
 
 class SearchError(RuntimeError):

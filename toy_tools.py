@@ -7,7 +7,7 @@ task is a module, `--task NAME`, or a file, `--task path/to/task.py`, with:
                                                 (None: an open vocabulary, for chat models only)
     SYSTEM                                   {"main", "sub", "single"}: the chat models' system prompts
     make_question(seed, level)               -> an object with .seed, .level, .text (ValueError: no such level);
-                                                seeds from 2**40 (mgrpo.EVAL_SEED) on are evaluations'
+                                                seeds from 2**40 (tools.EVAL_SEED) on are evaluations'
     answer_correct(question, answer)         -> bool: r_correct of R_M (the paper's eq. 4)
     expert_score(question, subtask, result,  -> float in [0, 1]: r_expert of R_S (the paper's eq. 5), given
                  reads)                         the text of each tool result S read (--judge replaces it)

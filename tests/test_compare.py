@@ -64,14 +64,18 @@ def test_falls_name_the_runs_that_dropped_below_their_start():
                  "holds |"),
     ("unsync.md", "| sync > unsync | level 2, 5 stage 1s x 3 seeds | 0.864 vs 0.853 | +0.011 [-0.063, +0.085] | "
                   "inconclusive |"),
-    ("single.md", "| co-train > single agent | level 3, 5 stage 1s x 3 seeds, stage 2 without `--max-kl` | 0.859 vs "
-                  "0.952 | -0.093 [-0.139, -0.048] | reversed |")])
+    ("single.md", "| co-train > single agent | level 3, 5 stage 1s x 2 seeds | 0.880 vs 0.966 | -0.086 [-0.142, -0.031] | "
+                  "reversed |"),
+    ("single-budget.md", "| co-train > single agent, every context 160 tokens | level 3, 5 stage 1s x 2 seeds, `--max-context "
+                         "160` | 0.880 vs 0.119 | +0.761 [+0.625, +0.898] | holds |")])
 def test_the_results_tables_rows_are_recomputed_from_their_reports(capsys, report, row):
     """--recompute on each report of experiments/ gives the paired difference, interval and verdict that
     the README's table and the experiments' index state, and the arms' means."""
     path = os.path.join(ROOT, "experiments", report)
     arms, finals = compare.read_report(path)
-    assert sorted(finals) == [1, 2, 3, 4, 5] and all(len(f[arm]["sampled"]) == 3 for f in finals.values() for arm in arms)
+    seeds = int(re.search(r"x (\d) seeds", row).group(1))  # stage-2 seeds per stage 1, as the row says
+    assert sorted(finals) == [1, 2, 3, 4, 5] and all(len(f[arm]["sampled"]) == seeds for f in finals.values()
+                                                     for arm in arms)
     compare.recompute([path])
     cells = [c.strip() for c in row.strip("|").split("|")]
     stated = [float(x) for x in re.findall(r"[-+][0-9.]+", cells[3])]  # mean, interval
@@ -148,9 +152,9 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     assert compare.parse(["--quick"]).cold["single"] == {**paper.cold["single"], "steps": 150, "until": 0.05}
     # five stage 1s by default; unsync's stage 2 is shorter unless asked
     assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (90, 90)
-    # three stage-2 seeds per stage 1, two where the single agent's stage 1s take the time (level 3)
+    # three stage-2 seeds per stage 1, one where the single agent's stage 1s take the time (level 3)
     assert (paper.seeds, single.seeds, compare.parse(["--experiment", "single", "--seeds", "4"]).seeds) == (
-        [1, 2, 3], [1, 2], [4])
+        [1, 2, 3], [1], [4])
     assert compare.parse(["--experiment", "unsync"]).stage2_steps == 80
     assert compare.parse(["--experiment", "unsync", "--stage2-steps", "7"]).stage2_steps == 7
     # every experiment's stage 2 clips gradients at 0.1, keeps both arms near stage 1 (KL 0.04) and bounds

@@ -11,8 +11,8 @@ made once, at start-up, so a judge that is down stops the run there, with a mess
 never stops a run: a request that fails (the server down, a 5xx after a retry, past its deadline or the size
 cap, a reply not of the API's shape, no score in it) scores 0, and each step prints how many failed and why
 (metrics.jsonl: judge_failed, beside t_judge, the step's seconds of judging); after THREADS failures in a row
-the rest of the step is not asked (each 0), so a judge that is down costs a step one round of deadlines. Requests go through
-tools.HttpSearch's: a total deadline each, a size cap, retries with backoff, no decompression. A step's
+the rest of the step is not asked (each 0), so a judge that is down costs a step one round of deadlines.
+Requests go through tools.HttpSearch's: a total deadline each, a size cap, retries with backoff, no decompression. A step's
 answers are scored together, THREADS requests at a time, each distinct (sub-task, reads, answer) once.
 No API key is sent: a local server.
 
@@ -136,7 +136,8 @@ class Judge:
         """(score per item, {"t_judge": seconds, "judge_failed": failures}) of a step's items, each (sub-task,
         answer, what S read) or None (0, not asked); each distinct prompt asked once, THREADS at a time.
         Failures are warned of, once a step."""
-        t0, asks, self.in_a_row = time.perf_counter(), [None if it is None else prompt(*it) for it in items], 0
+        self.in_a_row = 0  # each step asks afresh
+        t0, asks = time.perf_counter(), [None if it is None else prompt(*it) for it in items]
         distinct = list(dict.fromkeys(a for a in asks if a is not None))
         with ThreadPoolExecutor(THREADS) as pool:
             got = dict(zip(distinct, pool.map(self.score, distinct)))

@@ -88,8 +88,8 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
     # interval is over stage 1s either way; the reports ran --seeds 1 2, whose seed-1 runs are the default's
     "single": (["co-train", "single-agent"], SINGLE, {"levels": [1, 2, 3], "seeds": [1]}),
     # the paper's premise (Sec. 1): one context cannot hold a deep search. Every agent's context holds 160 tokens:
-    # the single agent's four result lists take about 234 (its demos), M's plan 50, S's sub-task 63 to 67 (two
-    # searches about 122). Its stage 1s are the single experiment's
+    # the single agent's four result lists took 234 to 245 in the single experiment, M's plan 50 to 58, S's
+    # sub-tasks 67 to 111 (experiments/single-budget.md). Its stage 1s are the single experiment's
     "single-budget": (["co-train", "single-agent"], [*SINGLE, "--max-context", "160"],
                       {"levels": [1, 2, 3], "seeds": [1]}),
 }

@@ -64,10 +64,10 @@ def test_falls_name_the_runs_that_dropped_below_their_start():
                  "holds |"),
     ("unsync.md", "| sync > unsync | level 2, 5 stage 1s x 3 seeds | 0.864 vs 0.853 | +0.011 [-0.063, +0.085] | "
                   "inconclusive |"),
-    ("single.md", "| co-train > single agent | level 3, 5 stage 1s x 2 seeds | 0.880 vs 0.966 | -0.086 [-0.142, -0.031] | "
-                  "reversed |"),
-    ("single-budget.md", "| co-train > single agent, every context 160 tokens | level 3, 5 stage 1s x 2 seeds, `--max-context "
-                         "160` | 0.880 vs 0.119 | +0.761 [+0.625, +0.898] | holds |")])
+    ("single.md", "| co-train > single agent | level 3, 5 stage 1s x 2 seeds | 0.880 vs 0.966 | "
+                  "-0.086 [-0.142, -0.031] | reversed |"),
+    ("single-budget.md", "| co-train > single agent, every context 160 tokens | level 3, 5 stage 1s x 2 seeds, "
+                         "`--max-context 160` | 0.880 vs 0.119 | +0.761 [+0.625, +0.898] | holds |")])
 def test_the_results_tables_rows_are_recomputed_from_their_reports(capsys, report, row):
     """--recompute on each report of experiments/ gives the paired difference, interval and verdict that
     the README's table and the experiments' index state, and the arms' means."""

@@ -60,7 +60,8 @@ class Agent:
     chat: bool = False     # a chat model: tools in the system prompt, <tool_call> JSON (else word-level tags)
     system: dict = None    # chat models: the task's system prompt per agent kind (main, sub, single)
     tools: dict = None     # chat models: the tools' JSON schemas by name, the task's (TOOLS) or tools.TOOLS
-    bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights
+    bf16: bool = False     # --dtype bfloat16: autocast over fp32 weights; sampling from a bf16 copy
+    copy: list = None      # --dtype bfloat16: [weights version, the bf16 copy that samples] (sampling.sampler)
     ref: torch.nn.Module = None  # --kl-coef: the frozen reference
     pending: tuple = None  # --mode unsync: (batch, advantages) of the previous step, not yet trained on
     skipped: int = 0       # updates in a row with a step skipped for a non-finite loss or gradient
@@ -109,6 +110,36 @@ def turn_end(tok, stop, name):
                      f"with none of the stop tokens {[tok.decode([i]) for i in sorted(stop)]}")
 
 
+BF16_FLAGS = {"amx_bf16", "avx512_bf16"}  # a CPU's flags for bf16 matmuls in hardware
+BF16_MIN_PARAMS = 10_000_000  # --dtype auto: bf16 from this size; a smaller model's forward is overhead, not FLOPs
+
+
+def cpu_flags():
+    """The CPU's feature flags (Linux), or an empty set where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    except OSError:
+        return set()
+
+
+def bf16_hardware(device):
+    """What makes `device` multiply in bf16 much faster than in fp32, or [] where nothing does: a CPU's AMX or
+    AVX512-BF16 flags, or a CUDA GPU with bf16. Without them torch runs a CPU's bf16 matmuls by a generic
+    kernel, many times slower than fp32's."""
+    if torch.device(device).type == "cuda":
+        return ["a GPU with bf16"] if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else []
+    return sorted(BF16_FLAGS & cpu_flags())
+
+
+def use_bf16(dtype, model, device):
+    """--dtype for one model: bfloat16, float32, or auto: bf16 for a model of BF16_MIN_PARAMS or more where the
+    device multiplies bf16 fast (fp32 for the tiny models built here, whose experiments ran in fp32)."""
+    if dtype != "auto":
+        return dtype == "bfloat16"
+    return sum(p.numel() for p in model.parameters()) >= BF16_MIN_PARAMS and bool(bf16_hardware(device))
+
+
 def load_agent(name, args, task, seed=0, lr=None):
     """A model by Hugging Face name or path ("smollm2": SmolLM2-135M-Instruct, smollm2.py), or (name
     empty) a tiny one built in code from `seed`, with
@@ -143,7 +174,7 @@ def load_agent(name, args, task, seed=0, lr=None):
                  pad_id=tok.pad_token_id if tok.pad_token_id is not None else min(stop),
                  end=turn_end(tok, stop, name), max_new=args.max_new_tokens or (256 if chat else 12), chat=chat,
                  max_context=args.max_context, system=task.SYSTEM if chat else None,
-                 tools=getattr(task, "TOOLS", TOOLS), bf16=args.dtype == "bfloat16",
+                 tools=getattr(task, "TOOLS", TOOLS), bf16=use_bf16(args.dtype, model, args.device),
                  graphs={} if model.device.type == "cuda" else None, recompute=args.grad_checkpointing)
 
 
@@ -151,7 +182,7 @@ def load_agent(name, args, task, seed=0, lr=None):
 # LoRA (--lora-rank): a frozen base and an adapter of each agent's own, through peft
 # ---------------------------------------------------------------------------------------
 def add_adapter(agent, rank, base):
-    """Freeze the agent's model (in bf16 with --dtype bfloat16, else as loaded) and put a LoRA adapter of
+    """Freeze the agent's model (in bf16 where agent.bf16, else as loaded) and put a LoRA adapter of
     this rank on all its linear layers but the head (alpha 2 x rank), trained in fp32 by a new AdamW with
     the old one's settings. base: where the frozen base loads from (a name or a folder), kept in the
     adapter's config, so that a saved adapter loads with peft alone (AutoPeftModelForCausalLM)."""
@@ -183,15 +214,16 @@ def quiet_peft():
 
 def load_adapter(path, args):
     """(model with the adapter in it, its PeftModel) of a saved LoRA adapter: the base named in its
-    config, frozen in bf16 with --dtype bfloat16 (else fp32), the adapter trainable, in fp32."""
+    config, frozen in bf16 where --dtype asks for it (use_bf16), else fp32, the adapter trainable, in fp32."""
     from peft import PeftConfig, PeftModel
     base = PeftConfig.from_pretrained(path).base_model_name_or_path
     if not isinstance(base, str) or not base:
         raise ValueError(f"{path}: the adapter's config names no base model")
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if use_bf16(args.dtype, model, args.device):
+        model.to(torch.bfloat16)
     with quiet_peft():
-        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), path,
-                                         is_trainable=True)
+        peft = PeftModel.from_pretrained(model, path, is_trainable=True)
     return peft.get_base_model(), peft
 
 

@@ -21,7 +21,7 @@ class GraphDecoder:
 
     def forward(self, ids, attn, pos, cache_enabled=True):  # a capture needs autocast's cache off
         with self.agent.autocast(cache_enabled):
-            return self.forward_last(self.agent.model, ids, attn, pos, self.cache)
+            return self.forward_last(ids, attn, pos, self.cache)
 
     def prefill(self, ids, attn, pos):
         self.cache.reset()
@@ -64,8 +64,8 @@ class GraphDecoder:
 
 def graph_decoder(agent, rows, length, forward_last):
     """The agent's GraphDecoder for this shape, cache slots rounded up to 256; one shape at a time,
-    since a static cache can be large. forward_last(model, ids, attn, pos, cache): the last position's
-    logits (sampling.py's)."""
+    since a static cache can be large. forward_last(ids, attn, pos, cache): the last position's logits of the
+    model that samples (sampling.py's)."""
     key = (rows, -(-length // 256) * 256)
     if key not in agent.graphs:
         agent.graphs.clear()

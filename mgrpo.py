@@ -18,7 +18,9 @@ What the algorithm really is, per training step:
      asymmetric clip, no KL, no entropy bonus. With one epoch per batch (the default) the ratio is
      1: REINFORCE with a per-agent group baseline (S under --mode unsync excepted). Not in the paper
      and off by default: --kl-coef (a KL penalty to the agent as RL started) and --max-kl (a trust
-     region: a step that moves the policy too far on its own batch is halved).
+     region: a step that moves the policy too far on its own batch is halved). Not in the paper either:
+     in bf16 the sampler's log-probs are not training's, and each token is weighted by their truncated
+     ratio (truncated_is_weight, as TRL and verl do).
   7. M's side hands S's side a few statistics per rollout (the paper's Fig. 3): in memory when one
      process holds both agents, through a file store with --role main / sub. No gradient and no
      tensor crosses between the agents.
@@ -38,6 +40,7 @@ the toy task, and retriever.py a local BM25 retriever for --search.
 import dataclasses
 import functools
 import itertools
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -118,9 +121,13 @@ class Args:
     overwrite: bool = arg(False, "start afresh in an --out that holds a run: its checkpoints go")
     eval_every: int = arg(50, "evaluate every N steps, and before and after RL; 0: only those")
     eval_questions: int = arg(-1, "held-out questions per evaluation; -1: 256 (a given or chat model: 32)")
-    save_every: int = arg(1, "checkpoint every N steps (and after each evaluation)")
+    save_every: int = arg(0, "checkpoint every N steps and after each evaluation; 0: once the phases since the "
+                          "last checkpoint took 20 times as long as saving it (every step with --role main / sub); "
+                          "the last phase always")
     device: str = arg("cpu", "torch device of this process's agents: cpu, cuda, cuda:1")
-    dtype: str = arg("float32", "float32, or bfloat16: matmuls in bf16 (autocast), fp32 weights")
+    dtype: str = arg("auto", "bfloat16: matmuls in bf16 (autocast) over fp32 weights and AdamW, sampling from a bf16 "
+                     "copy of the weights; float32; auto: bfloat16 for a model given by name or path where the "
+                     "device multiplies bf16 fast (AMX or AVX512-BF16 on a CPU, a GPU's), else float32")
     micro_batch: int = arg(0, "rows per forward and backward (the loss stays the batch's); 0: all")
     grad_checkpointing: bool = arg(False, "recompute activations in the backward pass: less memory")
     role: str = arg("both", "both: one process, both agents; main / sub: one agent, the other role's "
@@ -289,7 +296,7 @@ def paper_D(d_values, p=0.99):
 # 5. The objectives (eq. 14-19): one clipped surrogate per agent, no gradient between them
 # =========================================================================================
 def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, agg="seq-mean",
-                ref_logp=None, kl_coef=0.0):
+                ref_logp=None, kl_coef=0.0, is_weight=None):
     """The negated clipped surrogate of one agent, eq. 14-19. Returns (loss, stats).
 
     M's objective (over its K rollouts per query) and S's (over its D*K aligned sub-trajectories)
@@ -299,7 +306,8 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     as the authors ran it (the paper writes a sequence-level ratio). Only mask-1 tokens count.
     agg="seq-mean": mean over each row's tokens, then over rows (a row without tokens counts
     0); "token-mean": over all tokens of the batch. ref_logp, kl_coef: an optional penalty
-    kl_coef * k3 per token to a frozen reference, k3 = exp(ref - logp) - (ref - logp) - 1.
+    kl_coef * k3 per token to a frozen reference, k3 = exp(ref - logp) - (ref - logp) - 1. is_weight: [B, T],
+    each token's surrogate times this weight (truncated_is_weight: a sampler other than the trainer), the KL not.
     Log-ratios are clamped to [-20, 20] before exp, as production trainers do: one past about 88
     (a stale S under --mode unsync, a corrupted old_logp) overflows float32 to inf, inf * 0 is NaN,
     and one NaN step ruins the weights; a ratio beyond e^20 carries no more signal.
@@ -311,6 +319,8 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     a = advantages.to(logp.dtype)[:, None]
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
     surr = torch.minimum(ratio * a, clipped_ratio * a)  # eq. 14-19: min(rho A, clip(rho) A)
+    if is_weight is not None:
+        surr = surr * is_weight
     per_tok = -surr * m
     if ref_logp is not None and kl_coef:
         d = torch.where(mask.bool(), (ref_logp - logp).clamp(-20.0, 20.0), torch.zeros_like(logp))
@@ -333,6 +343,20 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, ag
     return loss, stats
 
 
+IS_CAP = 2.0  # truncated_is_weight's cap, TRL's default
+
+
+def truncated_is_weight(old_logp, sampled_logp, mask, cap=IS_CAP):
+    """Not in the paper: with --dtype bfloat16 the tokens were drawn by a bf16 sampler (sampling.sampler), whose
+    log-probs differ from training's (other kernels, a KV cache against a whole-sequence pass). As the field
+    does (truncated importance sampling, TIS; TRL's vllm_importance_sampling_correction), the old log-probs of
+    eq. 14-19 are then training's own at the weights that sampled, and each token's term is weighted by
+    pi_old / pi_sampler, truncated at `cap` so that a token the sampler drew against the odds cannot dominate.
+    [B, T] -> [B, T], 0 where mask is 0."""
+    w = (old_logp - sampled_logp).clamp(max=math.log(cap)).exp()
+    return torch.where(mask.bool(), w, torch.zeros_like(w))
+
+
 def micro_batches(mask, micro_batch, agg="seq-mean"):
     """(rows, weight) per micro-batch of a batch whose loss mask is `mask` [B, T]: the weight is the
     micro-batch's share of the batch, of its rows (seq-mean) or of its tokens (token-mean), so that
@@ -343,15 +367,22 @@ def micro_batches(mask, micro_batch, agg="seq-mean"):
         yield sl, (min(mb, B - s) / B) if agg == "seq-mean" else mask[sl].sum() / n_tok
 
 
-def backward(agent, batch, adv, ref, args, log):
+def backward(agent, batch, adv, ref, args, log, is_weight=None, first=True):
     """The gradient of one agent's clipped surrogate (eq. 14-19) over its batch, accumulated micro-batch
-    by micro-batch; False at the first loss that is not finite. ref: --kl-coef's reference log-probs."""
+    by micro-batch; False at the first loss that is not finite. ref: --kl-coef's reference log-probs.
+    is_weight: with a bf16 sampler, each token's truncated_is_weight, set on the first epoch (`first`), when
+    the batch's old log-probs become training's own."""
     ids, attn, mask, old = batch
     for rows, weight in micro_batches(mask, args.micro_batch, args.loss_agg):
         with log.timed("t_fwd"), agent.autocast():
             logp = token_logprobs(agent.model, ids[rows], attn[rows], mask[rows])
+        if is_weight is not None and first:
+            log.gap(logp.detach(), old[rows], mask[rows], IS_CAP)
+            is_weight[rows] = truncated_is_weight(logp.detach(), old[rows], mask[rows])
+            old[rows] = logp.detach()
         loss, stats = policy_loss(logp, old[rows], adv[rows], mask[rows], *args.clip_eps, agg=args.loss_agg,
-                                  ref_logp=None if ref is None else ref[rows], kl_coef=args.kl_coef)
+                                  ref_logp=None if ref is None else ref[rows], kl_coef=args.kl_coef,
+                                  is_weight=None if is_weight is None else is_weight[rows])
         if not torch.isfinite(loss):
             return False
         with log.timed("t_bwd"):
@@ -360,17 +391,20 @@ def backward(agent, batch, adv, ref, args, log):
     return True
 
 
-def update_agent(agent, trajs, adv, args):
+def update_agent(agent, trajs, adv, args, stale=False):
     """One agent's policy step on its own batch, once per --ppo-epochs: the gradient of eq. 14-19, its
     norm clipped, an AdamW step. A step whose loss or gradient norm is not finite changes no weight:
-    it is skipped and counted (skipped_in_a_row). Returns the update's statistics (report.UpdateLog)."""
+    it is skipped and counted (skipped_in_a_row). Returns the update's statistics (report.UpdateLog).
+    stale: a batch sampled before the last update (--mode unsync), whose old log-probs stay the sampler's
+    in bf16 too, the clip acting on their ratio, as the paper's off-policy version has it."""
     batch = collate(trajs, agent.pad_id, agent.model.device)
     ref = reference_logprobs(agent, batch, args.micro_batch) if args.kl_coef else None  # once per batch
     log = UpdateLog(agent.model.device, batch, args.ppo_epochs)
+    is_weight = torch.ones_like(batch[3]) if agent.bf16 and not stale else None  # bf16: truncated_is_weight
     with agent.training():
-        for _ in range(args.ppo_epochs):
+        for epoch in range(args.ppo_epochs):
             agent.opt.zero_grad(set_to_none=True)
-            finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log)
+            finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log, is_weight, epoch == 0)
             before = [p.detach().clone() for p in agent.opt.param_groups[0]["params"]] if args.max_kl else None
             with log.timed("t_bwd", sync=True):  # the clip and the step count with the backward pass
                 grad_norm = clip_and_step(agent, finite, args.grad_clip, log)
@@ -469,7 +503,7 @@ def train_sub(sub, batch, adv, args):
         batch, adv = previous
     if args.mode == "main-only":
         batch = []  # S frozen (the paper's baseline): its rewards are still computed, to be logged
-    return update_agent(sub, batch, adv, args) if batch else {}
+    return update_agent(sub, batch, adv, args, stale=args.mode == "unsync") if batch else {}
 
 
 def step_seeds(seed, step):

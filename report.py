@@ -5,6 +5,7 @@ summary.json and curves.png (when matplotlib is installed).
 import contextlib
 import functools
 import json
+import math
 import os
 import time
 
@@ -14,14 +15,18 @@ import torch
 from checkpoints import save_checkpoint
 
 
+SAVE_RATIO = 20  # --save-every 0: the work a checkpoint may wait for, in times what saving it costs
+
+
 class Log:
     """After each phase of the schedule: its line in metrics.jsonl, a progress line, and a checkpoint
-    (every --save-every steps, after each evaluation and at the end) that the store hears of."""
+    (checkpoint_due) that the store hears of."""
 
     def __init__(self, args, agents, out, store, n_phases, n_lines):
         self.args, self.agents, self.out, self.store = args, agents, out, store
         self.n_phases, self.lines, self.io_mark = n_phases, n_lines, store.io_time if store else 0.0
         self.track, self.close = tracker(args, out)
+        self.saved_at, self.save_cost = time.perf_counter(), 0.0  # checkpoint_due's: the first phase saves
         self.streaks, self.rows = {}, self.read_rows()  # the collapse alarm's: steps in a row of each signature
         for row in self.rows:  # as they were before a resume
             alarms(self.streaks, row, args.mode != "single-agent")
@@ -42,8 +47,10 @@ class Log:
             for key in rec.get("alarm", []):
                 if self.streaks[key] == ALARM_STEPS:  # the full message once; the progress line each step
                     print(alarm_message(key, rec), flush=True)
-        if kind == "eval" or step % self.args.save_every == 0 or idx == self.n_phases - 1:
+        if self.checkpoint_due(idx, kind, step):
+            t0 = time.perf_counter()
             save_checkpoint(self.out, self.agents, idx + 1, self.lines)
+            self.saved_at, self.save_cost = time.perf_counter(), time.perf_counter() - t0
             if self.store:
                 self.store.saved = idx + 1
                 peer_saved = self.store.check_peer().get("saved")
@@ -51,6 +58,17 @@ class Log:
                     self.store.prune(min(idx + 1, peer_saved))
         if self.store:  # the next phase's store time counts from here
             self.io_mark = self.store.io_time
+
+    def checkpoint_due(self, idx, kind, step):
+        """After the last phase; with --save-every N (or two roles, whose checkpoints keep in step) every N
+        steps and after each evaluation; with 0, once the phases since the last checkpoint took SAVE_RATIO
+        times as long as saving it did (so that saving costs a few percent of the run: a checkpoint of two
+        135M-parameter agents with their AdamW states is 3 GB)."""
+        if idx == self.n_phases - 1:
+            return True
+        if self.args.save_every or self.store:
+            return kind == "eval" or step % (self.args.save_every or 1) == 0
+        return time.perf_counter() - self.saved_at >= SAVE_RATIO * self.save_cost
 
     def read_rows(self):
         """The metrics lines this run has written (a resumed run's too)."""
@@ -103,6 +121,16 @@ class UpdateLog:
             self.sync()
         self.rec[key] += time.perf_counter() - t0
 
+    def gap(self, trained, sampled, mask, cap):
+        """A bf16 sampler's log-probs against training's, over one micro-batch's trained tokens: the mean and
+        largest |difference|, and the share of tokens whose importance weight met its cap."""
+        d = (trained - sampled).float()[mask.bool()]
+        for key, value in (("logp_gap", float(d.abs().sum()) / self.n_tok),
+                           ("is_capped", float((d >= math.log(cap)).sum()) / self.n_tok)):
+            self.rec[key] = self.rec.get(key, 0.0) + value
+        if len(d):
+            self.rec["logp_gap_max"] = max(self.rec.get("logp_gap_max", 0.0), float(d.abs().max()))
+
     def add(self, stats):
         """One micro-batch's statistics (policy_loss's), weighted by its share of the batch's tokens."""
         for key in ("clip_frac", "approx_kl", "kl_ref"):
@@ -118,7 +146,7 @@ class UpdateLog:
 
 # what each agent's update logs, as <name>_main and <name>_sub
 UPDATE_STATS = ("clip_frac", "approx_kl", "kl_ref", "grad_norm", "tokens_in", "sequences", "skipped", "kl_step",
-                "halved")
+                "halved", "logp_gap", "logp_gap_max", "is_capped")
 
 
 MAX_SKIPPED = 3  # updates in a row whose loss or gradient is not finite, before the run stops

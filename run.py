@@ -25,7 +25,7 @@ import judge
 import qa_task
 import retriever
 import smollm2
-from agents import prompt_ids
+from agents import bf16_hardware, prompt_ids
 from store import FileStore, StoreError
 from tiny_models import SIZES
 from tools import VISIT_CHARS, HttpSearch, SearchError
@@ -81,6 +81,17 @@ def parse_args(args_class, argv=None, doc=""):
     return a
 
 
+def dtype_line(args, agents):
+    """The start-up plan's words on precision: each agent's, and whether the device multiplies bf16 fast."""
+    fast = bf16_hardware(args.device)
+    each = ", ".join(f"{n} {'bf16 matmuls over fp32 weights and AdamW, sampling from a bf16 copy' if a.bf16 else 'float32'}"
+                     for n, a in agents.items())
+    if fast:
+        return f"{each} (--dtype {args.dtype}; fast bf16 here: {', '.join(fast)})"
+    return f"{each} (--dtype {args.dtype}; no fast bf16 on this device" + (
+        ": warning, bf16 runs many times slower than float32 here)" if any(a.bf16 for a in agents.values()) else ")")
+
+
 def problems(a):
     """What is wrong with the settings, one message each."""
     checks = [
@@ -95,7 +106,7 @@ def problems(a):
         (a.model_size not in SIZES, f"--model-size must be one of {list(SIZES)}"),
         (min(a.steps, a.micro_batch, a.max_new_tokens, a.max_context) < 0 or a.eval_questions < -1,
          "--steps, --micro-batch, --max-new-tokens, --max-context must be >= 0, --eval-questions >= -1"),
-        (a.dtype not in ("float32", "bfloat16"), "--dtype must be float32 or bfloat16"),
+        (a.dtype not in ("auto", "float32", "bfloat16"), "--dtype must be auto, float32 or bfloat16"),
         (min(a.kl_coef, a.weight_decay, a.max_kl, *a.clip_eps) < 0,
          "--kl-coef, --weight-decay, --max-kl and --clip-eps must be >= 0"),
         (not (a.lr > 0 and a.lr_sub >= 0), "--lr must be > 0 and --lr-sub >= 0"),
@@ -107,7 +118,7 @@ def problems(a):
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
         (a.resume and not a.out, "--resume needs the --out of the run to continue"),
         (a.resume and a.overwrite, "--resume continues a run, --overwrite starts afresh over it: one of them"),
-        (a.save_every < 1, "--save-every must be >= 1"),
+        (a.save_every < 0, "--save-every must be >= 0"),
         (a.report_to not in ("", "tensorboard", "wandb"), "--report-to must be tensorboard or wandb"),
         (a.lora_rank < 0, "--lora-rank must be >= 0"),
         (a.judge and not re.match(r"https?://", a.judge), "--judge must be an http(s) URL"),
@@ -261,8 +272,8 @@ def print_plan(args, agents, out):
     sizes = ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M params"
                       for n, a in agents.items())
     print(f"M-GRPO | role {args.role} | {sizes} | {args.mode} K={args.group_size} D={args.max_sub} "
-          f"level={args.level} device={args.device} {args.dtype}"
-          + f" | out: {out}", flush=True)
+          f"level={args.level} device={args.device} | out: {out}", flush=True)
+    print("precision: " + dtype_line(args, agents), flush=True)
     total = 0.0
     for n, a in agents.items():
         kind = agent_kinds(args)[n]

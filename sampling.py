@@ -1,7 +1,10 @@
 """Sampling and scoring, side by side because they must agree: `generate` samples a turn for a batch of
 contexts and keeps each sampled token's log-prob; `token_logprobs` recomputes those log-probs in
 training. Both read the raw logits at temperature 1, so the policy that samples is the policy that
-is trained (the ratio of the clipped objective is 1 before the first update).
+is trained (the ratio of the clipped objective is 1 before the first update). In fp32 they agree to
+1e-5. With --dtype bfloat16 the sampler is a bf16 copy of the weights (`sampler`) and training runs
+autocast over the fp32 weights: their log-probs differ by a bf16 rounding, which training accounts
+for (mgrpo.truncated_is_weight).
 
 Why not HF `generate`: it fills every field a `GenerationConfig` leaves unset from the model's own
 `generation_config`, and instruct models ship a temperature, top-k, top-p and repetition penalty
@@ -9,6 +12,7 @@ there. Such a model would be sampled from another policy than the one trained. N
 `generation_config` is read here.
 """
 import contextlib
+import copy
 import functools
 import inspect
 import math
@@ -75,12 +79,35 @@ def weights_version(model):
     return sum(p._version for p in model.parameters())
 
 
+def sampler(agent):
+    """The model that samples: the agent's own, or with --dtype bfloat16 (all weights trained; LoRA's base is
+    bf16 already) a bf16 copy of it, refreshed in place whenever a weight was written (weights_version).
+    Decoding reads every weight for every token: a bf16 copy reads half the bytes of fp32 weights and spares
+    autocast a cast of each of them at every step. Its buffers (rotary frequencies) stay fp32, as training's.
+    The copy's log-probs differ from training's autocast ones; mgrpo.truncated_is_weight accounts for it."""
+    if not agent.bf16 or agent.peft:
+        return agent.model
+    version = weights_version(agent.model)
+    if agent.copy is None:
+        model = copy.deepcopy(agent.model).requires_grad_(False)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        agent.copy = [version, model]
+    elif agent.copy[0] != version:
+        with torch.no_grad():
+            for q, p in zip(agent.copy[1].parameters(), agent.model.parameters()):
+                q.copy_(p)
+        agent.copy[0] = version
+    return agent.copy[1]
+
+
 def kv_alone(agent, ids):
     """[(keys, values)] per layer of one sequence, [kv heads, len, head dim] each."""
-    cache = transformers.DynamicCache(config=agent.model.config)
-    pos = torch.arange(len(ids), device=agent.model.device)[None]
+    model = sampler(agent)
+    cache = transformers.DynamicCache(config=model.config)
+    pos = torch.arange(len(ids), device=model.device)[None]
     with agent.autocast():
-        forward_last(agent.model, torch.tensor([ids], device=pos.device), torch.ones_like(pos), pos, cache)
+        forward_last(model, torch.tensor([ids], device=pos.device), torch.ones_like(pos), pos, cache)
     return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
 
 
@@ -110,35 +137,84 @@ def share_prompt(agent, contexts, kept):
         kept[b].n, kept[b].layers = n, agent.prefixes[key][1]
 
 
+class Slab(transformers.cache_utils.DynamicLayer):
+    """One layer's KV cache in buffers of `capacity` positions, allocated at the first write and then written in
+    place, so that a decode step copies nothing (DynamicLayer grows by torch.cat: a copy of the whole cache at
+    every token, a fifth of a decode step at a few hundred tokens of context). keys and values are views of
+    the positions written so far."""
+
+    def __init__(self, capacity):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.k_buf, self.v_buf = (x.new_empty(*x.shape[:2], self.capacity, x.shape[3]) for x in (key_states, value_states))
+        self.written(0)
+
+    def written(self, n):
+        """The first n positions hold keys and values."""
+        self.keys, self.values = self.k_buf[:, :, :n], self.v_buf[:, :, :n]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, m = self.keys.shape[2], key_states.shape[2]
+        self.k_buf[:, :, n:n + m], self.v_buf[:, :, n:n + m] = key_states, value_states
+        self.written(n + m)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices):
+        n = self.keys.shape[2]
+        self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
+        self.written(n)
+
+
+def new_cache(model, capacity):
+    """A KV cache for a decode of at most `capacity` positions: Slab layers, or where the model has layers
+    of another kind (sliding windows), transformers' DynamicCache."""
+    cache = transformers.DynamicCache(config=model.config)
+    if any(type(layer) is not transformers.cache_utils.DynamicLayer for layer in cache.layers):
+        return cache
+    return transformers.cache_utils.Cache(layers=[Slab(capacity) for _ in cache.layers])
+
+
+LEAVE = 0.5  # finished rows leave the batch once they are this share of it; until then they ride along (cut from
+# the result): a decode step of SmolLM2 on a CPU costs about as much for 8 rows as for 16, and each leave copies
+# the whole cache
+
+
 class EagerDecoder:
-    """Decode steps over a growing KV cache (DynamicCache); finished rows leave the batch. With `kept`
-    (one Kept per context), each row's KV from earlier turns is reused: only the tokens after it are
-    prefilled (ragged, their padding masked), and a row's KV is kept again as it leaves."""
+    """Decode steps over a KV cache written in place (Slab); finished rows leave the batch once they are
+    LEAVE of it. With `kept` (one Kept per context), each row's KV from earlier turns is reused: only the
+    tokens after it are prefilled (ragged, their padding masked), and a row's KV is kept again as it
+    leaves."""
     rows_leave = True
 
     def __init__(self, agent, kept=None):
-        self.agent, self.kept, self.cache = agent, kept, transformers.DynamicCache(config=agent.model.config)
+        self.agent, self.kept, self.model = agent, kept, sampler(agent)
 
-    def prefill(self, contexts):
+    def prefill(self, contexts, n_new):
         """The contexts into the cache: (last position's logits, each row's next position [B, 1])."""
-        dev, self.rows, self.lengths = self.agent.model.device, list(range(len(contexts))), list(map(len, contexts))
+        dev, self.rows, self.lengths = self.model.device, list(range(len(contexts))), list(map(len, contexts))
         if self.kept is None:
             ids, self.attn = left_pad(contexts, self.agent.pad_id, len(contexts), dev)
             pos = (self.attn.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
+            self.cache = new_cache(self.model, ids.shape[1] + n_new)
         else:
             if any(k.n >= len(c) for c, k in zip(contexts, self.kept)):
                 raise ValueError("a kept KV cache is as long as its context: a Kept goes with its own "
                                  "conversation, grown since the turn that kept it")
             share_prompt(self.agent, contexts, self.kept)
-            ids, self.attn, pos = self.load_kept(contexts)
+            ids, self.attn, pos = self.load_kept(contexts, n_new)
         with self.agent.autocast():
-            logits = forward_last(self.agent.model, ids, self.attn, pos, self.cache)
+            logits = forward_last(self.model, ids, self.attn, pos, self.cache)
         return logits, torch.tensor(self.lengths, device=dev)[:, None]
 
-    def load_kept(self, contexts):
+    def load_kept(self, contexts, n_new):
         """The kept KV into the cache, row b as [padding, its n_b kept]; the rest of each context as a
         block, row b as [padding, its tokens after n_b]: (block ids, attention mask, block positions)."""
-        kept, B, dev = self.kept, len(contexts), self.agent.model.device
+        kept, B, dev = self.kept, len(contexts), self.model.device
         C, N = max(k.n for k in kept), max(len(c) - k.n for c, k in zip(contexts, kept))
         attn = torch.zeros(B, C + N, dtype=torch.long, device=dev)
         ids = torch.full((B, N), self.agent.pad_id, dtype=torch.long, device=dev)
@@ -148,6 +224,7 @@ class EagerDecoder:
             attn[b, C - k.n:C], attn[b, C + N - len(rest):] = 1, 1
             ids[b, N - len(rest):] = torch.tensor(rest, device=dev)
             pos[b, N - len(rest):] = torch.arange(k.n, len(c), device=dev)
+        self.cache = new_cache(self.model, C + N + n_new)
         donor = next((k for k in kept if k.n), None)
         for i, layer in enumerate(self.cache.layers if donor else []):
             K, V = (x.new_zeros(B, x.shape[0], C, x.shape[2]) for x in donor.layers[i])
@@ -157,30 +234,32 @@ class EagerDecoder:
             layer.update(K, V)
         return ids, attn, pos
 
-    def save(self, batch_rows, steps):
-        """Keep the KV of these batch rows: their context and the `steps` tokens forwarded since."""
+    def save(self, batch_rows, forwarded):
+        """Keep the KV of these batch rows: their context and the first forwarded[r] tokens of their turn."""
         for r in batch_rows:
-            real, k = self.attn[r].nonzero()[:, 0], self.kept[self.rows[r]]
-            k.n = self.lengths[self.rows[r]] + steps
+            k = self.kept[self.rows[r]]
+            k.n = self.lengths[self.rows[r]] + int(forwarded[r])
+            real = self.attn[r].nonzero()[:k.n, 0]  # a finished row that rode along attended tokens past its end
             k.layers = [(layer.keys[r].index_select(1, real), layer.values[r].index_select(1, real))
                         for layer in self.cache.layers]
 
-    def keep(self, rows, steps=0):
-        """Only these batch rows go on; the others' KV is kept first (with `kept`)."""
+    def keep(self, rows, forwarded):
+        """Only these batch rows go on; the others' KV is kept first (with `kept`). forwarded: per batch row,
+        the tokens of its turn that went through the model."""
         if self.kept is not None:
             going = set(rows.tolist())
-            self.save([r for r in range(len(self.rows)) if r not in going], steps)
+            self.save([r for r in range(len(self.rows)) if r not in going], forwarded)
         self.cache.batch_select_indices(rows)
         self.attn, self.rows = self.attn[rows], [self.rows[r] for r in rows.tolist()]
 
-    def finish(self, steps):
+    def finish(self, forwarded):
         if self.kept is not None:
-            self.save(range(len(self.rows)), steps)
+            self.save(range(len(self.rows)), forwarded)
 
     def step(self, tok, pos, slot):
         self.attn = torch.cat([self.attn, self.attn.new_ones(len(tok), 1)], 1)
         with self.agent.autocast():
-            return forward_last(self.agent.model, tok[:, None], self.attn, pos, self.cache)
+            return forward_last(self.model, tok[:, None], self.attn, pos, self.cache)
 
 
 @torch.no_grad()
@@ -190,7 +269,7 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
     The left-padded contexts go through the model once (prefill, into a KV cache, keeping the last
     position's logits); then one token per forward. Each token is drawn by `sample_token` with a
     torch.Generator seeded from `seed`, so a call does not depend on what ran before. A row ends at
-    its first stop token, and leaves the batch. kept: one `Kept` per context, from the turn before
+    its first stop token; finished rows leave the batch once they are LEAVE of it. kept: one `Kept` per context, from the turn before
     (the conversation's KV) or new; then only what follows a row's kept KV is prefilled, new
     conversations start from their shared prompt's KV, and each row's KV is kept for its next turn
     (for contexts of KEEP_MIN tokens or more on average; shorter ones are prefilled whole).
@@ -215,12 +294,12 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
         R = 1 << (B - 1).bit_length()
         ids, attn = left_pad(contexts, agent.pad_id, R, dev)
         L = ids.shape[1]
-        decoder = graph_decoder(agent, R, L + n_new, forward_last)
+        decoder = graph_decoder(agent, R, L + n_new, lambda *a: forward_last(sampler(agent), *a))
         logits = decoder.prefill(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0))
         next_pos = attn.sum(-1, keepdim=True)
     else:
         decoder = EagerDecoder(agent, kept if kept and sum(map(len, contexts)) >= KEEP_MIN * B else None)
-        logits, next_pos = decoder.prefill(contexts)
+        logits, next_pos = decoder.prefill(contexts, n_new)
     gen = torch.Generator(dev).manual_seed(seed)
     suppress = torch.tensor(agent.suppress, dtype=torch.long, device=dev)
     stop_ids = torch.tensor(agent.stop_ids, dtype=torch.long, device=dev)
@@ -231,19 +310,20 @@ def decode(agent, contexts, n_new, seed, greedy, kept=None):
     rows = torch.arange(R, device=dev)  # the rows still sampling
     for t in range(n_new):
         tok, lp = sample_token(logits, suppress, gen, greedy)
-        new[rows, t], new_lp[rows, t] = tok, lp
+        new[rows, t], new_lp[rows, t] = tok, lp  # a finished row's draws past its end are cut below
         done = torch.isin(tok, stop_ids) & running[rows]
         length[rows[done]] = t + 1
         running[rows[done]] = False
         if t == n_new - 1 or not running[:B].any():
             break
-        if decoder.rows_leave and done.any():
-            keep = (~done).nonzero()[:, 0]
-            decoder.keep(keep, t)
+        going = running[rows]
+        if decoder.rows_leave and (~going).sum() >= max(1.0, LEAVE * len(rows)):
+            keep = going.nonzero()[:, 0]
+            decoder.keep(keep, length[rows].clamp(max=t))  # each row's tokens through the model so far
             rows, tok, next_pos = rows[keep], tok[keep], next_pos[keep]
         logits = decoder.step(tok, next_pos + t, L + t)
     if not static:
-        decoder.finish(t)
+        decoder.finish(length[rows].clamp(max=t))
     out = []
     for row, lp, n in zip(new[:B].tolist(), new_lp[:B].tolist(), length[:B].long().tolist()):
         out.append((row[:n], lp[:n], row[n - 1] in agent.stop_ids))

@@ -1,5 +1,5 @@
-"""Benchmark (prints figures; not a test): mgrpo's sampling loop against HF `generate`, replayed
-on the identical calls.
+"""Benchmark (prints figures; not a test): mgrpo's sampling loop against HF `generate` and a raw
+decode loop, replayed on the identical calls, in float32 and in bf16.
 
 First a few M-GRPO steps run after a short cold start, and every `generate` call they make is
 recorded (agent, contexts, new-token limit, seed, which conversation each row is, the step); the
@@ -7,24 +7,29 @@ weights are put back after each step, so that the saved models sampled every rec
 conversation's kept KV in the replay is that of its recorded turns. Then
 each sampler replays all the calls, in a process of its own (so that its peak memory is its own):
 
+  raw         a raw batched decode loop: the HF model, transformers' DynamicCache, the call's contexts
+              prefilled whole, one token per forward for every row until all have stopped (what one
+              writes first; the rate the sampler is held against)
   hf          HF `generate`, fresh GenerationConfig (temperature 1, no top-k / top-p, pad and
               unk suppressed), sampling log-probs taken step by step by a logits processor
-              (what mgrpo used before it had its own loop)
-  before      `sampling.generate` as it was before conversations kept their KV: every context
-              prefilled whole at every turn, finished rows leave the batch
   mgrpo       `sampling.generate` as the agents' loop calls it: each conversation's KV kept from
               one turn to the next, new conversations started from their shared prompt's KV
-              (computed once per step, as after each update), finished rows leave
-  mgrpo-keep  the `before` loop with finished rows kept in the batch (masked), to measure what
-              leaving buys
+              (computed once per step, as after each update), the cache written in place (Slab),
+              finished rows leaving once they are half the batch
+  mgrpo-whole the same with every context prefilled whole at every turn
+  mgrpo-before `sampling.generate` as it was before its cache was written in place: DynamicCache (a
+              copy of the whole cache at every token), finished rows leaving at once, bf16 by autocast
+              over the fp32 weights at every step
   graphs      `sampling.generate` with CUDA graphs over a static cache (CUDA only)
 
-Besides tokens/s, it counts the tokens each sampler prefills per M-GRPO step, against the floor:
-each distinct token once (a prompt that a step's conversations share, once per step).
+In bf16, raw and hf run the bf16 copy of the weights that mgrpo samples from (sampling.sampler). Besides
+tokens/s, it counts the tokens each sampler prefills per M-GRPO step, against the floor (each distinct
+token once; a prompt that a step's conversations share, once per step), and splits mgrpo's time into
+prefill, decode steps, the draws, rows leaving and kept KV, and the rest (Python between them).
 
     python -m benchmarks.bench_generate                  # CPU, the default demo's models
-    python -m benchmarks.bench_generate --device cuda --models runs/gpu_check/models --chat --bf16
-    python -m benchmarks.bench_generate --models <run>/ --questions 2 --group-size 4 --max-new-tokens 48
+    python -m benchmarks.bench_generate --device cuda --models runs/gpu_check/models --chat --dtypes bfloat16
+    python -m benchmarks.bench_generate --models <run>/ --questions 2 --group-size 4 --max-new-tokens 40
         # the agents of a run (its main/ and sub/), e.g. SmolLM2 after its cold start
 
 Figures are wall-clock on whatever machine runs it; compare the rows of one run.
@@ -45,6 +50,7 @@ import transformers
 
 import mgrpo
 import toy_tools
+import agents as agents_module
 from agents import load_agent
 from cold_start import cold_start
 import sampling
@@ -78,16 +84,16 @@ def hf_generate(agent, contexts, max_new_tokens, seed, greedy=False):
                                         eos_token_id=list(agent.stop_ids), do_sample=not greedy, top_k=0, top_p=1.0)
     rec = StepLogprobs(agent.suppress)
     with agent.autocast():
-        new = agent.model.generate(input_ids=ids, attention_mask=attn, generation_config=cfg,
+        new = sampling.sampler(agent).generate(input_ids=ids, attention_mask=attn, generation_config=cfg,
                                    logits_processor=transformers.LogitsProcessorList([rec]))[:, L:]
     torch.stack(rec.logp + [rec.prev.gather(-1, new[:, -1:])[:, 0]], 1).tolist()
     return [(row, None, None) for row in new.tolist()]  # tokens up to the first stop are the turn
 
 
 @torch.no_grad()
-def keep_rows_generate(agent, contexts, max_new_tokens, seed, greedy=False):
-    """mgrpo.generate's eager loop, except that finished rows stay in the batch."""
-    model, dev = agent.model, agent.model.device
+def raw_generate(agent, contexts, max_new_tokens, seed, greedy=False):
+    """A raw batched decode loop: contexts prefilled whole, one token per forward for every row until all stop."""
+    model, dev = sampling.sampler(agent), agent.model.device
     B, L = len(contexts), max(map(len, contexts))
     ids = torch.tensor([[agent.pad_id] * (L - len(c)) + c for c in contexts], device=dev)
     attn = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in contexts], device=dev)
@@ -155,12 +161,13 @@ def record(b, folder):
     return len(calls)
 
 
-def counting(counts):
-    """Wrap the sampler's prefill and prompt cache so that they count the tokens they read."""
-    eager_prefill, prompt_kv = sampling.EagerDecoder.prefill, sampling.kv_alone
+def counting(counts, seconds):
+    """Wrap the sampler's parts so that they count the tokens they prefill and the seconds each part takes:
+    prefill (the kept KV loaded, the shared prompt, the block), decode steps, draws, rows leaving and kept."""
+    prefill, prompt_kv = sampling.EagerDecoder.prefill, sampling.kv_alone
 
-    def prefill(self, contexts):
-        out = eager_prefill(self, contexts)  # kept rows still count what they held before this turn
+    def counted(self, contexts, n_new):
+        out = prefill(self, contexts, n_new)  # kept rows still count what they held before this turn
         kept = self.kept or [sampling.Kept() for _ in contexts]
         counts["prefill"] += sum(len(c) - k.n for c, k in zip(contexts, kept))
         return out
@@ -168,26 +175,50 @@ def counting(counts):
     def kv(agent, ids):
         counts["prompts"] += len(ids)
         return prompt_kv(agent, ids)
-    sampling.EagerDecoder.prefill, sampling.kv_alone = prefill, kv
+    sampling.EagerDecoder.prefill, sampling.kv_alone = counted, kv
+    for part, owner, name in (("prefill", sampling.EagerDecoder, "prefill"), ("decode", sampling.EagerDecoder, "step"),
+                              ("draws", sampling, "sample_token"), ("leave", sampling.EagerDecoder, "keep"),
+                              ("leave", sampling.EagerDecoder, "finish")):
+        setattr(owner, name, timed(getattr(owner, name), part, seconds))
+
+
+def timed(fn, part, seconds):
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - t0
+    return wrapper
+
+
+def as_before():
+    """sampling.generate as it was before its KV cache was written in place: DynamicCache, finished rows
+    leaving at once, bf16 by autocast over the fp32 weights."""
+    sampling.new_cache = lambda model, capacity: transformers.DynamicCache(config=model.config)
+    sampling.LEAVE = 0.0
+    sampling.sampler = lambda agent: agent.model
 
 
 def replay(b, folder, method):
     """Time one sampler on every recorded call; print one JSON line of figures."""
-    args = mgrpo.parse_args(["--device", b.device] + (["--dtype", "bfloat16"] if b.bf16 else []))
+    args = mgrpo.parse_args(["--device", b.device, "--dtype", b.dtype])
     agents = {n: load_agent(os.path.join(folder, n), args, toy_tools) for n in ("main", "sub")}
     for a in agents.values():
         a.graphs = a.graphs if method == "graphs" else None  # CUDA graphs on a GPU only for "graphs"
     with open(os.path.join(folder, "calls.json")) as f:
         calls = json.load(f)
-    kept, counts = {}, {"prefill": 0, "prompts": 0}
-    counting(counts)
+    if method == "mgrpo-before":
+        as_before()
+    kept, counts, seconds = {}, {"prefill": 0, "prompts": 0}, {}
+    counting(counts, seconds)
 
     def call(name, ctx, n, seed, greedy, convs, step, sampled):
         if method == "hf":
             return hf_generate(agents[name], ctx, n, seed, greedy)
-        if method == "mgrpo-keep":
-            return keep_rows_generate(agents[name], ctx, n, seed, greedy)
-        if method != "mgrpo":
+        if method == "raw":
+            return raw_generate(agents[name], ctx, n, seed, greedy)
+        if method in ("mgrpo-whole", "graphs"):
             return sampling.generate(agents[name], ctx, n, seed, greedy)
         if kept.get("step") != step:  # a new step: new weights in training, so the prompts' KV anew
             kept.clear()
@@ -208,6 +239,7 @@ def replay(b, folder, method):
     lat, tokens, flop = [], 0, 0.0
     params = {n: sum(p.numel() for p in a.model.parameters()) for n, a in agents.items()}
     counts.update(prefill=0, prompts=0)
+    seconds.clear()
     for _ in range(b.repeat):
         kept.clear()
         for c in calls:
@@ -223,13 +255,13 @@ def replay(b, folder, method):
     steps = b.repeat * len({c[6] for c in calls})
     print(json.dumps({"method": method, "calls": len(lat), "tokens": tokens, "flop": flop, "seconds": sum(lat),
                       "median_ms": 1000 * statistics.median(lat), "p90_ms": 1000 * sorted(lat)[int(0.9 * len(lat))],
-                      "peak_mib": peak, "prefill_per_step": (counts["prefill"] + counts["prompts"]) / steps
-                      if method in ("before", "mgrpo") else None}))
+                      "peak_mib": peak, "parts": seconds if method.startswith("mgrpo") else None,
+                      "prefill_per_step": (counts["prefill"] + counts["prompts"]) / steps
+                      if method.startswith("mgrpo") else None}))
 
 
-def matmul_gflops(device, n=1024, seconds=1.0):
-    """The machine's measured fp32 (or, on a GPU, bf16) matmul rate: what a sampler's rate is held against."""
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+def matmul_gflops(device, dtype, n=1024, seconds=1.0):
+    """The machine's measured matmul rate in `dtype`: what a sampler's rate is held against."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     a @ b
@@ -276,8 +308,11 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="replays of the recorded calls per sampler and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each sampler once per round; the median round counts")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--bf16", action="store_true", help="replay under bf16 autocast")
-    p.add_argument("--methods", nargs="+", default=None, help="default: hf mgrpo mgrpo-keep (+ graphs on CUDA)")
+    p.add_argument("--dtypes", nargs="+", default=None, help="float32 and/or bfloat16; default: float32, and "
+                   "bfloat16 where the device multiplies it fast (agents.bf16_hardware)")
+    p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # internal: the replay's
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="default: raw hf mgrpo mgrpo-whole mgrpo-before (+ graphs on CUDA)")
     p.add_argument("--folder", default="", help="reuse the recording in this folder")
     p.add_argument("--replay", default="", help=argparse.SUPPRESS)  # internal: one sampler, in a child process
     b = p.parse_args()
@@ -290,38 +325,61 @@ def main():
               + (f"models from {b.models}" if b.models else f"after {b.sft_steps} cold-start steps") + ") ...",
               flush=True)
         print(f"  {record(b, folder)} calls recorded in {folder}", flush=True)
-    methods = b.methods or ["hf", "before", "mgrpo", "mgrpo-keep"] + (["graphs"] if b.device.startswith("cuda") else [])
-    runs = {m: [] for m in methods}
+    methods = b.methods or ["raw", "hf", "mgrpo", "mgrpo-whole", "mgrpo-before"] + (
+        ["graphs"] if b.device.startswith("cuda") else [])
+    fast = agents_module.bf16_hardware(b.device)
+    dtypes = b.dtypes or ["float32"] + (["bfloat16"] if fast else [])
+    if not b.dtypes and not fast:
+        print("bfloat16: not replayed, this device has no fast bf16 (AMX, AVX512-BF16 or a GPU's); --dtypes "
+              "bfloat16 runs it anyway", flush=True)
+    runs = {(d, m): [] for d in dtypes for m in methods}
     for _ in range(b.rounds):  # the samplers take turns, so that a busy moment of the machine hits them alike
-        for m in methods:
-            cmd = [sys.executable, "-m", "benchmarks.bench_generate", "--replay", m, "--folder", folder] + sys.argv[1:]
+        for d, m in runs:
+            cmd = [sys.executable, "-m", "benchmarks.bench_generate", "--replay", m, "--dtype", d, "--folder", folder,
+                   "--device", b.device, "--repeat", str(b.repeat)]
             r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if r.returncode != 0:
-                print(f"{m}: failed\n{r.stderr[-2000:]}")
+                print(f"{m} {d}: failed\n{r.stderr[-2000:]}")
                 continue
-            runs[m].append(json.loads(r.stdout.strip().splitlines()[-1]))
+            runs[d, m].append(json.loads(r.stdout.strip().splitlines()[-1]))
     # per sampler, the round with the median tokens/s
-    rows = {m: sorted(rs, key=lambda r: r["tokens"] / r["seconds"])[len(rs) // 2] for m, rs in runs.items() if rs}
-    print(f"\n{torch.__version__}, transformers {transformers.__version__}, {b.device}, {torch.get_num_threads()} "
-          f"threads; {b.models or b.model_size}{' chat' if b.chat else ''}; every recorded call x {b.repeat}, median of "
-          f"{b.rounds} rounds")
-    peak = matmul_gflops(b.device)
+    rows = {k: sorted(rs, key=lambda r: r["tokens"] / r["seconds"])[len(rs) // 2] for k, rs in runs.items() if rs}
+    print(f"\n{torch.__version__}, transformers {transformers.__version__}, {b.device} "
+          f"({', '.join(fast) or 'no fast bf16'}), {torch.get_num_threads()} threads; {b.models or b.model_size}"
+          f"{' chat' if b.chat else ''}; every recorded call x {b.repeat}, median of {b.rounds} rounds")
     print("peak MiB: on a GPU the peak allocated; on a CPU how far the peak RSS rose above the RSS before the replay")
-    print(f"GFLOP/s: 2 x params per sampled token (prefill and attention left out, so a floor), against this "
-          f"machine's measured {'bf16' if b.device.startswith('cuda') else 'fp32'} matmul rate, {peak:.0f} GFLOP/s")
-    print(f"{'sampler':>10} | {'tokens/s':>9} {'vs hf':>6} {'vs before':>9} | {'GFLOP/s':>7} {'of mm':>5} | "
-          f"{'median ms':>9} {'p90 ms':>7} | {'peak MiB':>8} | {'prefilled tokens per step':>25}")
+    print("GFLOP/s: 2 x params per sampled token (prefill and attention left out, so a floor), against this "
+          "machine's measured matmul rate in the same dtype")
+    with open(os.path.join(folder, "calls.json")) as f:
+        floor = floor_per_step(json.load(f))
+    for d in dtypes:
+        print_table(d, {m: r for (dd, m), r in rows.items() if dd == d}, matmul_gflops(b.device, getattr(torch, d)),
+                    floor)
+
+
+def print_table(dtype, rows, peak, floor):
+    """One dtype's figures: each sampler's rate against the raw loop, HF generate and the sampler before, and
+    where mgrpo's time went."""
+    print(f"\n{dtype} (matmul {peak:.0f} GFLOP/s)")
+    print(f"{'sampler':>12} | {'tokens/s':>8} {'of raw':>6} {'vs hf':>6} {'vs before':>9} | {'GFLOP/s':>7} "
+          f"{'of mm':>5} | {'median ms':>9} {'p90 ms':>7} | {'peak MiB':>8} | {'prefilled tokens per step':>25}")
     speed = {m: r["tokens"] / r["seconds"] for m, r in rows.items()}
     for m, r in rows.items():
         ratios = [f"{speed[m] / speed[base]:{w - 1}.2f}x" if base in speed else " " * (w - 1) + "-"
-                  for base, w in (("hf", 6), ("before", 9))]
+                  for base, w in (("raw", 6), ("hf", 6), ("mgrpo-before", 9))]
         prefill = f"{r['prefill_per_step']:25.0f}" if r["prefill_per_step"] is not None else f"{'':>25}"
         rate = r["flop"] / r["seconds"] / 1e9
-        print(f"{m:>10} | {speed[m]:9.0f} {ratios[0]} {ratios[1]} | {rate:7.1f} {100 * rate / peak:4.0f}% | "
-              f"{r['median_ms']:9.2f} {r['p90_ms']:7.2f} | "
-              f"{r['peak_mib']:8.1f} | {prefill}")
-    with open(os.path.join(folder, "calls.json")) as f:
-        print(f"{'floor':>10} | each distinct token once: {floor_per_step(json.load(f)):.0f} prefilled tokens per step")
+        print(f"{m:>12} | {speed[m]:8.0f} {' '.join(ratios)} | {rate:7.1f} {100 * rate / peak:4.0f}% | "
+              f"{r['median_ms']:9.2f} {r['p90_ms']:7.2f} | {r['peak_mib']:8.1f} | {prefill}")
+    print(f"{'floor':>12} | each distinct token once: {floor:.0f} prefilled tokens per step")
+    print(f"{'where it went':>12} | " + " ".join(f"{p:>8}" for p in PARTS) + "  (seconds of the replay)")
+    for m, r in rows.items():
+        if r["parts"] is not None:
+            parts = dict(r["parts"], rest=r["seconds"] - sum(r["parts"].values()))
+            print(f"{m:>12} | " + " ".join(f"{parts.get(p, 0.0):8.2f}" for p in PARTS))
+
+
+PARTS = ("prefill", "decode", "draws", "leave", "rest")
 
 
 if __name__ == "__main__":

@@ -23,16 +23,20 @@ def test_bench_script_runs():
 
 
 def test_bench_generate_script_runs(tmp_path):
-    """The replay benchmark records a step, replays it, and counts prefilled tokens: never fewer than
-    the floor it prints."""
+    """The replay benchmark records a step and replays it with each sampler: every rate is shown against the
+    raw decode loop's; mgrpo's samplers never prefill fewer tokens than the floor it prints, and the parts
+    of their time are no more than the whole."""
     r = bench("bench_generate", "--model-size", "0.1M", "--sft-steps", "2", "--steps", "1", "--rounds", "1",
-              "--repeat", "1", "--methods", "before", "mgrpo", "--folder", str(tmp_path))
+              "--repeat", "1", "--methods", "raw", "mgrpo", "mgrpo-before", "--folder", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
-    rows = {line.split()[0]: line.split() for line in lines[-3:-1]}
-    floor = float(lines[-1].split(": ")[1].split()[0])
-    assert set(rows) == {"before", "mgrpo"} and floor > 0
-    assert all(float(row[-1]) >= floor for row in rows.values())
+    start = lines.index(next(x for x in lines if x.startswith("float32 (matmul")))
+    rows = {x.split()[0]: x.split() for x in lines[start + 2:start + 5]}
+    floor = float(lines[start + 5].split(": ")[1].split()[0])
+    assert set(rows) == {"raw", "mgrpo", "mgrpo-before"} and floor > 0 and rows["raw"][3] == "1.00x"
+    assert all(float(rows[m][-1]) >= floor for m in ("mgrpo", "mgrpo-before"))
+    parts = {x.split()[0]: [float(v) for v in x.split()[2:]] for x in lines[start + 7:start + 9]}
+    assert set(parts) == {"mgrpo", "mgrpo-before"} and all(min(v) >= 0 for v in parts.values())
 
 
 def test_bench_scoring_script_runs():

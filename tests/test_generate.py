@@ -302,3 +302,74 @@ def test_logprobs_only_where_the_mask_reads_them(shared, chat_agent):
     assert (full - part).abs().max() < 1e-5 and (part != 0).sum() == (mask[:, 1:] * attn[:, :-1]).sum()
     assert max(float((x - y).abs().max() / x.abs().max()) for x, y in zip(g_full, g_part)) < 1e-5
     assert (token_logprobs(a.model, ids, attn, mask)[mask == 0] == 0).all()
+
+
+def test_a_slab_cache_gives_a_dynamic_caches_logits(chat_agent):
+    """The sampler's KV cache written in place (Slab) against transformers' DynamicCache: the same logits after
+    a left-padded prefill, decode steps, and rows leaving the batch between them."""
+    import transformers
+    a = chat_agent
+    ctx = contexts(a, "sub")
+    ids, attn = sampling.left_pad(ctx, a.pad_id, len(ctx), "cpu")
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    slab = sampling.new_cache(a.model, ids.shape[1] + 4)
+    assert all(type(layer) is sampling.Slab for layer in slab.layers)
+    outs = []
+    for cache in (slab, transformers.DynamicCache(config=a.model.config)):
+        with torch.no_grad():
+            logits, m, p, rows = [sampling.forward_last(a.model, ids, attn, pos, cache)], attn, pos[:, -1:] + 1, ctx
+            for t in range(4):
+                tok = logits[-1].argmax(-1)[:, None]
+                if t == 2:  # two rows leave
+                    keep = torch.tensor([0, 2, 3])
+                    cache.batch_select_indices(keep)
+                    m, p, tok = m[keep], p[keep], tok[keep]
+                m = torch.cat([m, m.new_ones(len(m), 1)], 1)
+                logits.append(sampling.forward_last(a.model, tok, m, p + t, cache))
+        outs.append(logits)
+    for x, y in zip(*outs):
+        assert torch.allclose(x, y, atol=1e-5)
+    assert slab.layers[0].keys.shape[2] == ids.shape[1] + 4 == slab.layers[0].capacity
+
+
+def test_a_model_with_sliding_windows_decodes_with_transformers_cache():
+    """A model whose layers are not all full attention (sliding windows) gets transformers' own cache."""
+    import transformers
+    cfg = transformers.Qwen2Config(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=32, use_sliding_window=True,
+                                   sliding_window=4, max_window_layers=0)
+    cache = sampling.new_cache(transformers.Qwen2ForCausalLM(cfg), 64)
+    assert type(cache) is transformers.DynamicCache and type(cache.layers[0]) is not sampling.Slab
+
+
+@pytest.mark.parametrize("which", ["word", "chat"])
+def test_finished_rows_that_ride_along_change_nothing(which, word_agent, chat_agent, monkeypatch):
+    """Rows that ended their turn stay in the batch until they are sampling.LEAVE of it: greedy turns, their
+    log-probs and each conversation's kept KV are the same whether finished rows leave at once, at half the
+    batch, or never; the next turn from the kept KV is the whole context's."""
+    a = copy.deepcopy(word_agent if which == "word" else chat_agent)
+    monkeypatch.setattr(sampling, "KEEP_MIN", 0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # larger weights than at initialisation: greedy turns then differ by context
+        for p in a.model.parameters():
+            if p.dim() == 2:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    a = biased(a, {a.end[0]: 2.0})
+    ctxs = [prompt_ids(a, "sub", f"city of {p}") for p in toy_tools.PERSONS[:10]]
+    results = {}
+    for leave in (1e-9, 0.5, 1.0):
+        monkeypatch.setattr(sampling, "LEAVE", leave)
+        kept = [Kept() for _ in ctxs]
+        first = generate(a, ctxs, 10, seed=0, greedy=True, kept=kept)
+        after = [c + new + message_ids(a, "tool", "result") for c, (new, _, _) in zip(ctxs, first)]
+        second = generate(a, after, 10, seed=1, greedy=True, kept=kept)
+        results[leave] = (first, second)
+        assert [o[0] for o in second] == [o[0] for o in generate(a, after, 10, seed=1, greedy=True)]
+        # kept: the context and the turn's tokens, its stop token too where the row rode along past it
+        assert all(len(c) + len(new) - 1 <= k.n <= len(c) + len(new) for c, (new, _, _), k in zip(after, second, kept))
+    (f0, s0), *others = results.values()
+    assert len({len(new) for new, _, _ in f0}) > 1  # rows ended at different steps
+    for f, s in others:
+        assert [o[0] for o in f] == [o[0] for o in f0] and [o[0] for o in s] == [o[0] for o in s0]
+        for x, y in zip(f + s, f0 + s0):
+            assert x[1] == pytest.approx(y[1], abs=1e-5)

@@ -127,7 +127,7 @@ def test_groups_are_each_querys_K_rollouts_and_advantages_follow_the_batch(agent
     monkeypatch.setattr(mgrpo, "generate", forced(plan))
     monkeypatch.setattr(toy_tools, "make_question", lambda seed, level: Q[seed % 2])  # the step's questions: Q
     seen = []
-    monkeypatch.setattr(mgrpo, "update_agent", lambda agent, trajs, adv, a: seen.append((trajs, adv)) or {
+    monkeypatch.setattr(mgrpo, "update_agent", lambda agent, trajs, adv, a, **kw: seen.append((trajs, adv)) or {
         "t_fwd": 0.0, "t_bwd": 0.0, "tokens": 1.0, **{k: 0.0 for k in report.UPDATE_STATS}})
     rng = random.Random(tools.stable_seed(args.seed, "questions", 1))
     order = [rng.randrange(2 ** 31) % 2 for _ in range(2)]
@@ -193,7 +193,7 @@ def _run_steps(agents, monkeypatch, steps, **opts):
     monkeypatch.setattr(mgrpo, "generate", forced(TUTORIAL))
     monkeypatch.setattr(toy_tools, "make_question", lambda seed, level: Q[0])
     updates, real = [], mgrpo.update_agent
-    monkeypatch.setattr(mgrpo, "update_agent", lambda agent, trajs, adv, a: updates.append(
+    monkeypatch.setattr(mgrpo, "update_agent", lambda agent, trajs, adv, a, **kw: updates.append(
         (agent is sub, copy.deepcopy(agent.model.state_dict()), trajs, adv.clone())) or real(agent, trajs, adv, a))
     batches = []
     real_side = mgrpo.sub_side

@@ -175,6 +175,29 @@ def test_kl_to_reference_is_k3_and_pulls_towards_the_reference():
     assert off.item() == plain.item()  # kl_coef 0 (the default) is exactly the paper's loss
 
 
+def test_truncated_is_weight_by_hand():
+    """pi_old / pi_sampler per token, capped at IS_CAP (2), 0 off the mask."""
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    sampled = torch.tensor([[-1.0, -1.5, -0.5, -3.0]])
+    w = mgrpo.truncated_is_weight(old, sampled, torch.tensor([[1, 1, 1, 0]]))
+    assert w.tolist()[0] == pytest.approx([1.0, math.exp(0.5), math.exp(-0.5), 0.0])
+    w = mgrpo.truncated_is_weight(old, sampled - 5.0, torch.ones(1, 4))  # drawn against the odds: capped
+    assert w.tolist()[0] == pytest.approx([mgrpo.IS_CAP] * 4)
+
+
+def test_policy_loss_weights_each_tokens_surrogate_by_is_weight_but_not_its_kl():
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    mask, adv, ref = torch.tensor([[1, 1, 1]]), torch.tensor([1.0]), torch.tensor([[-1.5, -1.0, -0.5]])
+    w = torch.tensor([[2.0, 0.5, 1.0]])
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, agg="token-mean", is_weight=w)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(2.0 + 0.5 + 1.0) / 3)  # ratio 1: -mean(w * A)
+    assert logp.grad[0].tolist() == pytest.approx([-2.0 / 3, -0.5 / 3, -1.0 / 3])  # each token's gradient scaled by w
+    with_kl, _ = policy_loss(logp, logp.detach(), adv, mask, agg="token-mean", is_weight=w, ref_logp=ref, kl_coef=1.0)
+    k3 = [math.exp(d) - d - 1 for d in (-0.5, 1.0, 0.0)]
+    assert with_kl.item() == pytest.approx(loss.item() + sum(k3) / 3)  # the KL term unweighted
+
+
 def test_a_metrics_line_that_is_not_the_runs_is_named_by_file_and_line_on_resume(tmp_path):
     """A resumed run replays the collapse alarm's streaks from metrics.jsonl: a garbled line is a clear
     error naming the file and the line, not a traceback from json."""

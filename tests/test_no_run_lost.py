@@ -42,6 +42,36 @@ def test_a_fresh_start_over_a_run_needs_overwrite(tmp_path):
         mgrpo.parse_args(SHORT + ["--out", str(out), "--resume", "--overwrite"])
 
 
+@pytest.mark.parametrize("ratio,every,saved", [(1e9, 0, [1, 7]), (0.0, 0, [1, 2, 3, 4, 5, 6, 7]),
+                                                (1e9, 2, [1, 2, 4, 6, 7])])
+def test_checkpoints_cost_a_share_of_the_run_by_default_and_a_resume_goes_on_from_the_last(
+        tmp_path, monkeypatch, ratio, every, saved):
+    """--save-every 0 (the default) saves after the first phase, then once the phases since the last checkpoint
+    took report.SAVE_RATIO times as long as saving it (here: never again, or always), and after the last phase;
+    --save-every N every N steps and after each evaluation. A run cut off resumes from its last checkpoint."""
+    import report
+    monkeypatch.setattr(report, "SAVE_RATIO", ratio)
+    positions, real = [], report.save_checkpoint
+    monkeypatch.setattr(report, "save_checkpoint", lambda out, a, index, *r: positions.append(index) or real(out, a, index, *r))
+    out = tmp_path / "run"
+    opts = SHORT + ["--steps", "3", "--eval-every", "0", "--save-every", str(every), "--out", str(out)]
+    mgrpo.main(opts)  # phases: 2 evaluations, 3 steps, 2 evaluations; a checkpoint counts the phases behind it
+    assert positions == saved and len(checkpoints.checkpoints(str(out))) == checkpoints.KEEP
+    real_step = mgrpo.train_step
+
+    def crash_at_3(main, sub, step, *a, **kw):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_step(main, sub, step, *a, **kw)
+    monkeypatch.setattr(mgrpo, "train_step", crash_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        mgrpo.main(opts + ["--overwrite"])
+    monkeypatch.setattr(mgrpo, "train_step", real_step)
+    assert mgrpo.main(opts + ["--resume"])["steps"] == 3  # from the last checkpoint, however far back
+    with open(out / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 0, 1, 2, 3, 3, 3]
+
+
 def test_a_resume_with_other_settings_or_agents_touches_nothing(tmp_path):
     out = tmp_path / "run"
     mgrpo.main(SHORT + ["--out", str(out)])

@@ -80,7 +80,8 @@ def test_a_truncated_or_corrupt_file_is_a_clear_error_and_leaves_no_folder(tmp_p
 @pytest.fixture(scope="module")
 def smol(smollm2_dir):
     """(the run's settings, one SmolLM2 agent loaded by the short name)."""
-    args = mgrpo.parse_args(["--main-model", "smollm2", "--sub-model", "smollm2", "--max-new-tokens", "24"])
+    args = mgrpo.parse_args(["--main-model", "smollm2", "--sub-model", "smollm2", "--max-new-tokens", "24",
+                             "--dtype", "float32"])  # exact; --dtype auto picks bf16 on a CPU with AMX
     return args, load_agent("smollm2", args, toy_tools)
 
 
@@ -156,7 +157,7 @@ def test_lora_on_smollm2_trains_only_the_adapters_and_saves_one_peft_loads(smol,
     contexts = [prompt_ids(agent, "main", q) for q in ("country of ada ?", "country of bo ?")]
     outs = generate(agent, contexts, 12, seed=0)
     trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(contexts, outs)]
-    lora_args = mgrpo.parse_args(["--main-model", "smollm2", "--lora-rank", "4", "--lr", "1e-3"])
+    lora_args = mgrpo.parse_args(["--main-model", "smollm2", "--lora-rank", "4", "--lr", "1e-3", "--dtype", "float32"])
     mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0]), lora_args)
     after = agent.model.state_dict()
     changed = {k for k in after if not torch.equal(after[k], before[k])}
@@ -184,7 +185,7 @@ def test_a_tool_call_sampled_by_the_cold_started_model_parses(smol):
     """Untrained, SmolLM2 writes prose, no action; after a few cold-start steps on the toy task's demos,
     rendered through its own template, its greedy first turn is a tool call that the chat parser reads,
     asking for the question's first hop."""
-    args = mgrpo.parse_args(["--main-model", "smollm2", "--max-new-tokens", "40",
+    args = mgrpo.parse_args(["--main-model", "smollm2", "--max-new-tokens", "40", "--dtype", "float32",
                              "--cold-start", '{"steps": 8, "batch": 4, "lr": 1e-4}'])
     agent = load_agent("smollm2", args, toy_tools)
     qs = [toy_tools.make_question(mgrpo.EVAL_SEED + i, 1) for i in range(4)]
@@ -195,3 +196,23 @@ def test_a_tool_call_sampled_by_the_cold_started_model_parses(smol):
     assert first_turns() == [None] * 4
     cold_start.cold_start(agent, "main", args, toy_tools, 0, 8)
     assert first_turns() == [("call", f"city of {q.text.split()[-2]}") for q in qs]
+
+
+@pytest.mark.real
+def test_bf16_on_smollm2_samples_from_a_bf16_copy_and_trains_with_truncated_is_weights(smollm2_dir):
+    """--dtype bfloat16 on the real model: turns sampled from the bf16 copy, whose stored log-probs are within a
+    bf16 rounding of training's (benchmarks/bench_bf16.py measured a mean of 0.05 and a largest of 0.23 per
+    token), then one update against training's own log-probs, with truncated importance weights; the copy
+    follows the new weights."""
+    args = mgrpo.parse_args(["--main-model", "smollm2", "--dtype", "bfloat16", "--max-new-tokens", "16", "--lr", "1e-4"])
+    agent = load_agent("smollm2", args, toy_tools)
+    copy = sampling.sampler(agent)
+    assert agent.bf16 and next(copy.parameters()).dtype == torch.bfloat16
+    contexts = [prompt_ids(agent, "main", q) for q in ("country of ada ?", "country of bo ?")]
+    outs = generate(agent, contexts, 16, seed=0)
+    trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(contexts, outs)]
+    stats = mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0]), args)
+    assert 0 < stats["logp_gap"] < 0.2 and stats["logp_gap_max"] < 1.0, stats
+    assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-6) and stats["grad_norm"] > 0
+    assert sampling.sampler(agent) is copy
+    assert all(torch.equal(q, p.to(torch.bfloat16)) for q, p in zip(copy.parameters(), agent.model.parameters()))

@@ -616,7 +616,9 @@ def train(agents, args, task, search, store, log, start, judge=None):
         if kind == "step":
             rec = train_step(main_agent, sub, step, args, task, delegate, search, store, judge)
         else:
-            rec = {"step": step, **eval_record(main_agent, args, task, delegate, search, greedy)}
+            t0 = time.perf_counter()
+            rec = {"step": step, **eval_record(main_agent, args, task, delegate, search, greedy),
+                   "t_eval": time.perf_counter() - t0}
             if store:
                 store.put(phase_key(idx) + "-done", {})
         log.phase_done(idx, kind, step, rec)

@@ -127,14 +127,16 @@ def bf16_hardware(device):
     """What makes `device` multiply in bf16 much faster than in fp32, or [] where nothing does: a CPU's AMX or
     AVX512-BF16 flags, or a CUDA GPU with bf16. Without them torch runs a CPU's bf16 matmuls by a generic
     kernel, many times slower than fp32's."""
-    if torch.device(device).type == "cuda":
-        return ["a GPU with bf16"] if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else []
+    if torch.device(device).type == "cuda":  # bf16 in the tensor cores from compute capability 8 (Ampere) on
+        fast = torch.cuda.is_available() and torch.cuda.get_device_capability(torch.device(device)) >= (8, 0)
+        return ["a GPU with bf16"] if fast else []
     return sorted(BF16_FLAGS & cpu_flags())
 
 
 def use_bf16(dtype, model, device):
     """--dtype for one model: bfloat16, float32, or auto: bf16 for a model of BF16_MIN_PARAMS or more where the
-    device multiplies bf16 fast (fp32 for the tiny models built here, whose experiments ran in fp32)."""
+    device multiplies bf16 fast (so fp32 for the tiny models built here, whose experiments ran in fp32, but
+    for the largest of them, --model-size 30M)."""
     if dtype != "auto":
         return dtype == "bfloat16"
     return sum(p.numel() for p in model.parameters()) >= BF16_MIN_PARAMS and bool(bf16_hardware(device))
@@ -196,6 +198,8 @@ def add_adapter(agent, rank, base):
     agent.peft.peft_config["default"].base_model_name_or_path = base
     agent.model = agent.peft.get_base_model()  # the model itself, its linear layers now with adapters
     agent.opt = adamw(agent.model, agent.opt.defaults["lr"], agent.opt.defaults["weight_decay"])
+    agent.copy, agent.prefixes = None, {}  # what sampled the model without adapters: its bf16 copy, prompt KV
+    agent.graphs = None if agent.graphs is None else {}  # and its CUDA graphs
 
 
 def adamw(model, lr, weight_decay):
@@ -219,7 +223,7 @@ def load_adapter(path, args):
     base = PeftConfig.from_pretrained(path).base_model_name_or_path
     if not isinstance(base, str) or not base:
         raise ValueError(f"{path}: the adapter's config names no base model")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     if use_bf16(args.dtype, model, args.device):
         model.to(torch.bfloat16)
     with quiet_peft():

@@ -126,8 +126,9 @@ class Args:
                           "the last phase always")
     device: str = arg("cpu", "torch device of this process's agents: cpu, cuda, cuda:1")
     dtype: str = arg("auto", "bfloat16: matmuls in bf16 (autocast) over fp32 weights and AdamW, sampling from a bf16 "
-                     "copy of the weights; float32; auto: bfloat16 for a model given by name or path where the "
-                     "device multiplies bf16 fast (AMX or AVX512-BF16 on a CPU, a GPU's), else float32")
+                     "copy of the weights; float32; auto: bfloat16 for a model of 10M parameters or more (SmolLM2 "
+                     "and up) where the device multiplies bf16 fast (AMX or AVX512-BF16 on a CPU, a GPU from "
+                     "Ampere on), else float32")
     micro_batch: int = arg(0, "rows per forward and backward (the loss stays the batch's); 0: all")
     grad_checkpointing: bool = arg(False, "recompute activations in the backward pass: less memory")
     role: str = arg("both", "both: one process, both agents; main / sub: one agent, the other role's "
@@ -367,18 +368,18 @@ def micro_batches(mask, micro_batch, agg="seq-mean"):
         yield sl, (min(mb, B - s) / B) if agg == "seq-mean" else mask[sl].sum() / n_tok
 
 
-def backward(agent, batch, adv, ref, args, log, is_weight=None, first=True):
+def backward(agent, batch, adv, ref, args, log, is_weight=None, sampled=None):
     """The gradient of one agent's clipped surrogate (eq. 14-19) over its batch, accumulated micro-batch
     by micro-batch; False at the first loss that is not finite. ref: --kl-coef's reference log-probs.
-    is_weight: with a bf16 sampler, each token's truncated_is_weight, set on the first epoch (`first`), when
-    the batch's old log-probs become training's own."""
+    sampled: a bf16 sampler's log-probs, while the weights are those that sampled: the batch's old
+    log-probs become training's own, and is_weight each token's truncated_is_weight."""
     ids, attn, mask, old = batch
     for rows, weight in micro_batches(mask, args.micro_batch, args.loss_agg):
         with log.timed("t_fwd"), agent.autocast():
             logp = token_logprobs(agent.model, ids[rows], attn[rows], mask[rows])
-        if is_weight is not None and first:
-            log.gap(logp.detach(), old[rows], mask[rows], IS_CAP)
-            is_weight[rows] = truncated_is_weight(logp.detach(), old[rows], mask[rows])
+        if sampled is not None:
+            log.gap(logp.detach(), sampled[rows], mask[rows], IS_CAP)
+            is_weight[rows] = truncated_is_weight(logp.detach(), sampled[rows], mask[rows])
             old[rows] = logp.detach()
         loss, stats = policy_loss(logp, old[rows], adv[rows], mask[rows], *args.clip_eps, agg=args.loss_agg,
                                   ref_logp=None if ref is None else ref[rows], kl_coef=args.kl_coef,
@@ -400,14 +401,17 @@ def update_agent(agent, trajs, adv, args, stale=False):
     batch = collate(trajs, agent.pad_id, agent.model.device)
     ref = reference_logprobs(agent, batch, args.micro_batch) if args.kl_coef else None  # once per batch
     log = UpdateLog(agent.model.device, batch, args.ppo_epochs)
-    is_weight = torch.ones_like(batch[3]) if agent.bf16 and not stale else None  # bf16: truncated_is_weight
+    sampled = batch[3].clone() if agent.bf16 and not stale else None  # a bf16 sampler: truncated_is_weight
+    is_weight = None if sampled is None else torch.ones_like(sampled)
     with agent.training():
-        for epoch in range(args.ppo_epochs):
+        for _ in range(args.ppo_epochs):
             agent.opt.zero_grad(set_to_none=True)
-            finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log, is_weight, epoch == 0)
+            finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log, is_weight, sampled)
             before = [p.detach().clone() for p in agent.opt.param_groups[0]["params"]] if args.max_kl else None
             with log.timed("t_bwd", sync=True):  # the clip and the step count with the backward pass
                 grad_norm = clip_and_step(agent, finite, args.grad_clip, log)
+            if torch.isfinite(grad_norm):  # the weights moved: the old log-probs are those of the ones that sampled
+                sampled = None
             if before is not None:
                 log.rec["kl_step"], log.rec["halved"] = within_kl(agent, batch, before, args.max_kl, args.micro_batch)
     skipped_in_a_row(agent, log.rec["skipped"])
@@ -711,8 +715,9 @@ def main(argv=None):
     load = functools.partial(load_agent, args=args, task=task)
     with own_out(args, out), run.open_store(args) as store:  # checked before they are touched
         run.doing(store, "loading its models")
+        t_load = time.perf_counter()
         agents, start, n_lines, sft_done = resume_or_start(args, out, load)
-        run.print_plan(args, agents, out)
+        run.print_plan(args, agents, out, time.perf_counter() - t_load)
         run.doing(store, "its cold start or its first checks")
         check = functools.partial(cold_start_check, agents=agents, args=args, task=task,
                                   search=search)

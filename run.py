@@ -84,8 +84,8 @@ def parse_args(args_class, argv=None, doc=""):
 def dtype_line(args, agents):
     """The start-up plan's words on precision: each agent's, and whether the device multiplies bf16 fast."""
     fast = bf16_hardware(args.device)
-    each = ", ".join(f"{n} {'bf16 matmuls over fp32 weights and AdamW, sampling from a bf16 copy' if a.bf16 else 'float32'}"
-                     for n, a in agents.items())
+    bf16 = "bf16 matmuls over fp32 weights and AdamW, sampling from a bf16 copy"
+    each = ", ".join(f"{n} {bf16 if a.bf16 else 'float32'}" for n, a in agents.items())
     if fast:
         return f"{each} (--dtype {args.dtype}; fast bf16 here: {', '.join(fast)})"
     return f"{each} (--dtype {args.dtype}; no fast bf16 on this device" + (
@@ -267,12 +267,13 @@ def doing(store, what):
         store.doing = what
 
 
-def print_plan(args, agents, out):
-    """What this process runs, and each agent's memory estimate."""
+def print_plan(args, agents, out, t_load=None):
+    """What this process runs (its models loaded in t_load seconds), and each agent's memory estimate."""
     sizes = ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M params"
                       for n, a in agents.items())
     print(f"M-GRPO | role {args.role} | {sizes} | {args.mode} K={args.group_size} D={args.max_sub} "
-          f"level={args.level} device={args.device} | out: {out}", flush=True)
+          f"level={args.level} device={args.device} | out: {out}"
+          + (f" | models loaded in {t_load:.1f}s" if t_load is not None else ""), flush=True)
     print("precision: " + dtype_line(args, agents), flush=True)
     total = 0.0
     for n, a in agents.items():
@@ -307,7 +308,8 @@ def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False
                     lora=0):
     """A rough estimate of one agent's training memory in GiB: weights, grads and AdamW states at 16
     bytes a trained parameter (fp32), a frozen one at its own size (LoRA's base: `lora` = the rank
-    to come, or adapters in place), plus --kl-coef's reference (none with LoRA); and one micro-batch
+    to come, or adapters in place), plus --kl-coef's reference (none with LoRA) and, in bf16, the
+    copy that samples; and one micro-batch
     of `rows` contexts of `tokens`: activations (what a layer saves for backward, a token's 6 x hidden +
     2 x key-value width + 4 x MLP width values, as counted on Qwen2; with checkpointing each layer keeps
     its input and one layer is recomputed at a time), and at the `sampled` tokens of a row (default:
@@ -327,8 +329,8 @@ def memory_estimate(agent, tokens, rows, micro_batch=0, grad_checkpointing=False
         head = agent.model.get_output_embeddings()
         linear = [m for m in agent.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
         static = n * half + 16 * lora * sum(m.in_features + m.out_features for m in linear)
-    else:
-        static = n * (16 + half * reference)
+    else:  # in bf16, also the copy that samples (sampling.sampler)
+        static = n * (16 + half * reference + 2 * agent.bf16)
     head = sampled * (10 if agent.bf16 else 12) * cfg.vocab_size
     return static / 2 ** 30, mb * (tokens * act + head) / 2 ** 30, mb, tokens
 

@@ -39,6 +39,9 @@ def sample_token(logits, suppress, generator, greedy=False):
         tok = allowed.argmax(-1)
     else:
         cdf = allowed.double().exp().cumsum(-1)
+        if not bool((torch.isfinite(cdf[:, -1]) & (cdf[:, -1] > 0)).all()):
+            raise FloatingPointError("the model's next-token probabilities are not finite or all 0: its weights "
+                                     "or its input are broken")
         u = 1 - torch.rand(len(cdf), 1, dtype=torch.float64, generator=generator, device=cdf.device)
         tok = torch.searchsorted(cdf, u * cdf[:, -1:])[:, 0].clamp(max=cdf.shape[-1] - 1)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
@@ -95,11 +98,10 @@ def sampler(agent):
     if not agent.bf16 or agent.peft:
         return agent.model
     version = weights_version(agent.model)
-    if agent.copy is None:
-        model = copy.deepcopy(agent.model).requires_grad_(False)
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
-        agent.copy = [version, model]
+    if agent.copy is None:  # each parameter made bf16 as it is copied (tied ones stay one), the buffers copied
+        bf16 = {id(p): torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False)
+                for p in agent.model.parameters()}
+        agent.copy = [version, copy.deepcopy(agent.model, bf16)]
     elif agent.copy[0] != version:
         with torch.no_grad():
             for q, p in zip(agent.copy[1].parameters(), agent.model.parameters()):
@@ -156,7 +158,8 @@ class Slab(transformers.cache_utils.DynamicLayer):
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
-        self.k_buf, self.v_buf = (x.new_empty(*x.shape[:2], self.capacity, x.shape[3]) for x in (key_states, value_states))
+        self.k_buf, self.v_buf = (x.new_empty(*x.shape[:2], self.capacity, x.shape[3])
+                                  for x in (key_states, value_states))
         self.written(0)
 
     def written(self, n):
@@ -276,11 +279,11 @@ def generate(agent, contexts, max_new_tokens, seed, greedy=False, kept=None):
     The left-padded contexts go through the model once (prefill, into a KV cache, keeping the last
     position's logits); then one token per forward. Each token is drawn by `sample_token` with a
     torch.Generator seeded from `seed`, so a call does not depend on what ran before. A row ends at
-    its first stop token; finished rows leave the batch once they are LEAVE of it. kept: one `Kept` per context, from the turn before
-    (the conversation's KV) or new; then only what follows a row's kept KV is prefilled, new
-    conversations start from their shared prompt's KV, and each row's KV is kept for its next turn
-    (for contexts of KEEP_MIN tokens or more on average; shorter ones are prefilled whole).
-    With `agent.graphs` (on a GPU) the steps replay a CUDA graph over a static cache
+    its first stop token; finished rows leave the batch once they are LEAVE of it. kept: one `Kept`
+    per context, from the turn before (the conversation's KV) or new; then only what follows a row's
+    kept KV is prefilled, new conversations start from their shared prompt's KV, and each row's KV is
+    kept for its next turn (for contexts of KEEP_MIN tokens or more on average; shorter ones are
+    prefilled whole). With `agent.graphs` (on a GPU) the steps replay a CUDA graph over a static cache
     instead (`GraphDecoder`: every context prefilled whole), and finished rows stay, masked; if that
     fails, this agent decodes eagerly from then on.
     """

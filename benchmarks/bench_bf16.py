@@ -19,7 +19,6 @@ and 3 then run fp32 only unless --force, and part 4 still runs (a few minutes).
 Figures are wall-clock on whatever machine runs it; compare the rows of one run.
 """
 import argparse
-import copy
 import statistics
 import time
 
@@ -56,9 +55,9 @@ def matmul_rate(m, k, n, dtype, seconds=1.0):
 
 
 def model_in(model, way):
-    """The model as `way` runs it: (model, autocast on?)."""
+    """The model as `way` runs it: (model, autocast on?); bf16 weights: the copy mgrpo samples with."""
     if way == "bf16 weights":
-        return copy.deepcopy(model).to(torch.bfloat16), False
+        return sampling.sampler(agents.Agent(model, None, bf16=True)), False
     return model, way == "autocast"
 
 
@@ -71,11 +70,11 @@ def train_pass(model, ac, ids):
 
 @torch.no_grad()
 def decode_step(model, ac, rows, context=200):
-    cache = transformers.DynamicCache(config=model.config)
+    cache = {sampling.cache_keyword(type(model)): transformers.DynamicCache(config=model.config)}
     ids = torch.randint(0, model.config.vocab_size, (rows, context))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
-        model(input_ids=ids, use_cache=True, cache=cache, logits_to_keep=1)
-        return median_seconds(lambda: model(input_ids=ids[:, :1], use_cache=True, cache=cache, logits_to_keep=1), 5)
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache)
+        return median_seconds(lambda: model(input_ids=ids[:, :1], use_cache=True, logits_to_keep=1, **cache), 5)
 
 
 def speeds(model, b, ways):

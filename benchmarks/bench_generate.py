@@ -19,7 +19,7 @@ each sampler replays all the calls, in a process of its own (so that its peak me
   mgrpo-whole the same with every context prefilled whole at every turn
   mgrpo-before `sampling.generate` as it was before its cache was written in place: DynamicCache (a
               copy of the whole cache at every token), finished rows leaving at once, bf16 by autocast
-              over the fp32 weights at every step
+              over the fp32 weights at every step, draws by torch.multinomial
   graphs      `sampling.generate` with CUDA graphs over a static cache (CUDA only)
 
 In bf16, raw and hf run the bf16 copy of the weights that mgrpo samples from (sampling.sampler). Besides
@@ -194,10 +194,19 @@ def timed(fn, part, seconds):
 
 def as_before():
     """sampling.generate as it was before its KV cache was written in place: DynamicCache, finished rows
-    leaving at once, bf16 by autocast over the fp32 weights."""
+    leaving at once, bf16 by autocast over the fp32 weights, draws by torch.multinomial."""
     sampling.new_cache = lambda model, capacity: transformers.DynamicCache(config=model.config)
     sampling.LEAVE = 0.0
     sampling.sampler = lambda agent: agent.model
+    sampling.sample_token = multinomial_token
+
+
+def multinomial_token(logits, suppress, generator, greedy=False):
+    """sampling.sample_token as it was: the draw by torch.multinomial."""
+    logp = logits.float().log_softmax(-1)
+    allowed = logp.index_fill(-1, suppress, -math.inf) if len(suppress) else logp
+    tok = allowed.argmax(-1) if greedy else torch.multinomial(allowed.exp(), 1, generator=generator)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
 def replay(b, folder, method):
@@ -345,7 +354,8 @@ def main():
     # per sampler, the round with the median tokens/s
     rows = {k: sorted(rs, key=lambda r: r["tokens"] / r["seconds"])[len(rs) // 2] for k, rs in runs.items() if rs}
     print(f"\n{torch.__version__}, transformers {transformers.__version__}, {b.device} "
-          f"({', '.join(fast) or 'no fast bf16'}), {torch.get_num_threads()} threads; {b.models or b.model_size}"
+          f"({', '.join(fast) or 'no fast bf16'}), {torch.get_num_threads()} threads; models of "
+          f"{b.models or (folder if b.folder else b.model_size)}"
           f"{' chat' if b.chat else ''}; every recorded call x {b.repeat}, median of {b.rounds} rounds")
     print("peak MiB: on a GPU the peak allocated; on a CPU how far the peak RSS rose above the RSS before the replay")
     print("GFLOP/s: 2 x params per sampled token (prefill and attention left out, so a floor), against this "

@@ -55,6 +55,8 @@ def test_the_sampler_is_a_bf16_copy_refreshed_whenever_a_weight_changes(bf16_age
     assert all(torch.equal(q, p.to(torch.bfloat16)) for q, p in zip(model.parameters(), a.model.parameters()))
     fp32 = helpers.load_agent("", mgrpo.parse_args(["--chat", "--model-size", "0.1M"]), seed=0)
     assert not fp32.bf16 and sampling.sampler(fp32) is fp32.model
+    agents.add_adapter(a, 4, "base")  # LoRA: the base is bf16 itself, and the copy without adapters goes
+    assert a.copy is None and sampling.sampler(a) is a.model and next(a.model.parameters()).dtype == torch.bfloat16
 
 
 def demos(agent, n=4):
@@ -102,14 +104,16 @@ def test_bf16_training_uses_its_own_old_logprobs_and_truncated_is_weights(bf16, 
     assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-7)  # one epoch: the ratio is exactly 1
 
 
-def test_a_bf16_run_trains_and_logs_the_samplers_gap(tmp_path):
+def test_a_bf16_run_trains_and_logs_the_samplers_gap(tmp_path, monkeypatch):
     """Two M-GRPO steps of the tiny chat models in bf16, no cold start: the sampler's log-probs are within a
     bf16 rounding of training's on average (it samples from the bf16 copy, training runs autocast)."""
+    samplers, real = [], sampling.sampler
+    monkeypatch.setattr(sampling, "sampler", lambda a: samplers.append(next(real(a).parameters()).dtype) or real(a))
     s = mgrpo.main(["--chat", "--model-size", "0.1M", "--dtype", "bfloat16", "--cold-start", "0", "--steps", "2",
                     "--questions-per-step", "2", "--group-size", "2", "--max-new-tokens", "12", "--eval-questions", "2",
                     "--out", str(tmp_path)])
     rows = [r for r in map(__import__("json").loads, open(tmp_path / "metrics.jsonl")) if "eval" not in r]
-    assert s["steps"] == 2 and len(rows) == 2
+    assert s["steps"] == 2 and len(rows) == 2 and samplers and set(samplers) == {torch.bfloat16}
     for r in rows:
         assert 0 < r["logp_gap_main"] < 0.1 and r["logp_gap_max_main"] >= r["logp_gap_main"]
         assert r["grad_norm_main"] is not None

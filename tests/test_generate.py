@@ -369,7 +369,9 @@ def test_finished_rows_that_ride_along_change_nothing(which, word_agent, chat_ag
         after = [c + new + message_ids(a, "tool", "result") for c, (new, _, _) in zip(ctxs, first)]
         second = generate(a, after, 10, seed=1, greedy=True, kept=kept)
         results[leave] = (first, second)
-        assert [o[0] for o in second] == [o[0] for o in generate(a, after, 10, seed=1, greedy=True)]
+        whole = generate(a, after, 10, seed=1, greedy=True)
+        assert [o[0] for o in second] == [o[0] for o in whole]
+        assert max(abs(x - y) for s, w in zip(second, whole) for x, y in zip(s[1], w[1])) < 1e-5
         # kept: the context and the turn's tokens, its stop token too where the row rode along past it
         assert all(len(c) + len(new) - 1 <= k.n <= len(c) + len(new) for c, (new, _, _), k in zip(after, second, kept))
     (f0, s0), *others = results.values()
@@ -378,3 +380,18 @@ def test_finished_rows_that_ride_along_change_nothing(which, word_agent, chat_ag
         assert [o[0] for o in f] == [o[0] for o in f0] and [o[0] for o in s] == [o[0] for o in s0]
         for x, y in zip(f + s, f0 + s0):
             assert x[1] == pytest.approx(y[1], abs=1e-5)
+
+
+def test_probabilities_that_are_not_finite_stop_the_draw(word_agent):
+    """A model whose logits hold NaN or inf, or whose every allowed token is at -inf, is broken: the draw says
+    so instead of returning a token (torch.multinomial raised too)."""
+    gen, none = torch.Generator().manual_seed(0), torch.tensor([], dtype=torch.long)
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(2, 6)
+        logits[1, 3] = bad
+        with pytest.raises(FloatingPointError, match="not finite or all 0"):
+            sampling.sample_token(logits, none, gen)
+    with pytest.raises(FloatingPointError):
+        sampling.sample_token(torch.tensor([[0.0, -math.inf]]), torch.tensor([0]), gen)
+    tok, lp = sampling.sample_token(torch.tensor([[0.0, 5.0, -math.inf]] * 3), torch.tensor([1]), gen)
+    assert tok.tolist() == [0, 0, 0] and lp.tolist() == pytest.approx([-5.0067] * 3, abs=1e-4)

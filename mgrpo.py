@@ -56,7 +56,7 @@ from report import Log, UpdateLog, agent_record, answer_f1, report, skipped_in_a
 from sampling import Kept, batch_logprobs, collate, generate, reference_logprobs, token_logprobs
 from records import exchange_ok, phase_key, results_ok, store_record, tasks_ok
 from store import StoreError
-from tools import EVAL_SEED, FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
+from tools import CHECK_SEED, EVAL_SEED, FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
 
 
 def arg(default, help, **argparse_kw):
@@ -600,13 +600,12 @@ def eval_record(main_agent, args, task, delegate, search, greedy=False, first=EV
 
 def cold_start_check(level, agents, args, task, search):
     """The cold start's check (ColdStart.until): the system's greedy success on 256 held-out questions
-    of `level`, from question seeds that evaluations never use."""
+    of `level`, from question seeds that evaluations never use (tools.CHECK_SEED)."""
     delegate = None  # the single agent delegates nothing
     if "sub" in agents:
         delegate = functools.partial(run_sub_agents, agents["sub"], args, search)
     at_level = dataclasses.replace(args, level=level, eval_questions=256)
-    first = EVAL_SEED + 2 ** 30
-    return evaluate(agents["main"], at_level, task, delegate, search, greedy=True, first=first)
+    return evaluate(agents["main"], at_level, task, delegate, search, greedy=True, first=CHECK_SEED)
 
 
 def train(agents, args, task, search, store, log, start, judge=None):

@@ -27,7 +27,7 @@ import string
 from collections import Counter
 from dataclasses import dataclass
 
-from tools import (EVAL_SEED, SearchError, action_text, clean_text, json_lines, search_observation, stable_seed,
+from tools import (CHECK_SEED, EVAL_SEED, SearchError, action_text, clean_text, json_lines, search_observation, stable_seed,
                    tool_schema)
 
 TEST_SHARE = 10      # a file without splits: 1 question in 10 (by a hash of its text) is held out
@@ -75,7 +75,8 @@ def question_line(obj, where):
     q, answers, qid, split = obj.get("question"), obj.get("answers"), obj.get("id"), obj.get("split")
     if not isinstance(q, str) or not q.strip() or len(q) > MAX_QUESTION:
         raise ValueError(f"{where}: 'question' must be a string of 1 to {MAX_QUESTION} characters")
-    if not (isinstance(answers, list) and answers and all(isinstance(a, str) and normalize(a) for a in answers)):
+    if not (isinstance(answers, list) and answers and all(isinstance(a, str) and normalize(clean_text(a))
+                                                          for a in answers)):
         raise ValueError(f"{where}: 'answers' must be a non-empty list of strings, each with a word in it")
     if qid is not None and (isinstance(qid, bool) or not isinstance(qid, (str, int))):
         raise ValueError(f"{where}: 'id' must be a string or an integer")
@@ -106,6 +107,12 @@ def read_questions(path):
 # The checkers: r_correct (eq. 4) with its F1, r_expert (eq. 5) without a judge
 # ---------------------------------------------------------------------------------------
 _PUNCT = str.maketrans("", "", string.punctuation)
+STOP_WORDS = frozenset("""a about above after again all also am an and any are as at be because been before being
+below between both but by can could did do does doing down during each few for from further had has have having he
+her here hers herself him himself his how i if in into is it its itself just me more most my myself no nor not of off
+on once only or other our ours ourselves out over own same she should so some such than that the their theirs them
+themselves then there these they this those through to too under until up very was we were what when where which
+while who whom why will with would you your yours yourself yourselves""".split())  # r_expert's: no answer alone
 
 
 def normalize(s):
@@ -127,7 +134,8 @@ def passage_text(read):
     that an answer such as "1" or "doc" is not found in every list; a tool's error or an empty search: ''."""
     if read.startswith("error:") or read == "none":
         return ""
-    return re.sub(r"(?m)^\[\d+\] |\(\w+://[^\s)]*\)", " ", read)
+    return re.sub(r"(?m)^\[\d+\] |\(\w+://[^\s()]*\)", " ", read)  # no '(' in a url: linear (a run of
+    # '(a://' pieces would each scan to its end)
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,15 +150,19 @@ class QaTask:
         self.search = None  # the run's search tool, for the demos (use_search)
 
     def make_question(self, seed, level):
-        """A train question for a seed below EVAL_SEED, a test question (in the file's order) for one above."""
+        """A train question for a seed below EVAL_SEED, a test question (in the file's order) for one from there
+        up to CHECK_SEED; from CHECK_SEED on (the cold start's checks) a train question again, in the file's
+        order: a check that picks the cold start's rounds must not see the test split."""
         if level != 1:
             raise ValueError(f"a question file has one level, 1; got {level!r}")
-        pool, i = (self.test, seed - EVAL_SEED) if seed >= EVAL_SEED else (self.train, seed)
+        pool, i = ((self.train, seed - CHECK_SEED) if seed >= CHECK_SEED else (self.test, seed - EVAL_SEED)
+                   if seed >= EVAL_SEED else (self.train, seed))
         text, answers, qid = pool[i % len(pool)]
         return Question(seed, level, text, answers, qid)
 
     def answer_correct(self, q, answer):
-        return answer is not None and normalize(answer) in {normalize(g) for g in q.answers}
+        a = normalize(answer or "")
+        return bool(a) and a in {normalize(g) for g in q.answers}
 
     def f1(self, q, answer):
         """Logged beside r_correct (mgrpo.main_side, eval_record): the best word F1 over the golds."""
@@ -158,9 +170,13 @@ class QaTask:
 
     def expert_score(self, q, subtask, result, reads):
         """r_expert without a judge: S's answer, normalized, whole in a passage it read (its search results or
-        visits). It checks that S's answer is grounded, not that it answers the sub-task: --judge does that."""
+        visits), and with a word of its own: neither a stop word nor a word of the sub-task (else any word
+        read, "of" or the sub-task's own "Ulm", would score). It checks that S's answer is grounded, not that
+        it answers the sub-task: --judge does that."""
         a = normalize(result or "")
-        return float(bool(a) and any(f" {a} " in f" {normalize(passage_text(r))} " for r in reads))
+        asked = set(normalize(subtask or "").split()) | STOP_WORDS
+        return float(any(w not in asked for w in a.split())
+                     and any(f" {a} " in f" {normalize(passage_text(r))} " for r in reads))
 
     def search_tool(self):
         raise SearchError("a qa task has no search tool of its own: give --search bm25:CORPUS.jsonl, or a "

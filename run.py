@@ -227,10 +227,13 @@ def search_tool(args, task):
 
 def llm_judge(args):
     """--judge's client (judge.py) where this process holds S, whose rewards it scores; None without one.
-    It asks the server for its model here, once: a judge that is down stops the run before any training."""
+    It asks the server for its model here, once, and one prompt: a judge that is down or cannot score stops the
+    run before any training."""
     if not args.judge or args.mode == "single-agent" or "sub" not in agent_names(args):
         return None
-    return judge.Judge(args.judge)
+    client = judge.Judge(args.judge)
+    client.check()
+    return client
 
 
 def open_store(args):
@@ -267,8 +270,19 @@ def doing(store, what):
         store.doing = what
 
 
+def check_context(args, agents):
+    """--max-context must hold each agent's prompt and one turn, or every conversation would end before its
+    first turn: a start-up error, not ten steps of nothing before the collapse alarm."""
+    for n, a in agents.items():
+        need = len(prompt_ids(a, agent_kinds(args)[n], "")) + a.max_new
+        if a.max_context and need > a.max_context:
+            raise SystemExit(f"error: --max-context {a.max_context} holds not even {n}'s prompt and one turn "
+                             f"({need} tokens with no question, at --max-new-tokens {a.max_new}); raise it")
+
+
 def print_plan(args, agents, out, t_load=None):
     """What this process runs (its models loaded in t_load seconds), and each agent's memory estimate."""
+    check_context(args, agents)
     sizes = ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M params"
                       for n, a in agents.items())
     print(f"M-GRPO | role {args.role} | {sizes} | {args.mode} K={args.group_size} D={args.max_sub} "

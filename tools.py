@@ -24,6 +24,8 @@ def stable_seed(*parts):
 
 
 EVAL_SEED = 2 ** 40  # the task interface: question seeds at or above this are evaluations', never training's
+CHECK_SEED = EVAL_SEED + 2 ** 30  # and from this one on the cold start's checks' (mgrpo.cold_start_check): never
+# training's draws, nor the evaluations' own questions
 
 
 def clean_text(s):

@@ -106,6 +106,14 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
     assert "needs its package: pip install tensorboard" in capsys.readouterr().err
 
 
+def test_a_context_budget_that_holds_no_turn_stops_at_start_up(tmp_path, capsys):
+    """--max-context below an agent's prompt and one turn would end every conversation before its first turn:
+    the run stops at start-up, naming the agent and what it needs, before any cold start."""
+    with pytest.raises(SystemExit, match=r"--max-context 12 holds not even main's prompt and one turn \(\d+ tokens"):
+        mgrpo.main(["--max-context", "12", "--cold-start", "5", "--steps", "1", "--out", str(tmp_path)])
+    assert "cold start" not in capsys.readouterr().out
+
+
 def test_a_bad_cold_start_is_a_clear_error_naming_its_file_and_line(tmp_path, capsys):
     """--cold-start is a preset, a number of steps, or JSON, inline or in a file: whatever the text or
     the file holds, a bad one stops the run before anything starts, with a message that names the file

@@ -223,7 +223,8 @@ def load_adapter(path, args):
     base = PeftConfig.from_pretrained(path).base_model_name_or_path
     if not isinstance(base, str) or not base:
         raise ValueError(f"{path}: the adapter's config names no base model")
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32  # auto: decided once loaded
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     if use_bf16(args.dtype, model, args.device):
         model.to(torch.bfloat16)
     with quiet_peft():
@@ -287,8 +288,31 @@ def template_ids(agent, key, render, content):
         head, _, tail = ra.partition(a)
         agent.splits[agent.tok.chat_template, key] = (head, tail) if a in ra and rb == head + b + tail else None
     split = agent.splits[agent.tok.chat_template, key]
+    marks = [m for m in agent.tok.get_added_vocab() if m and m in content]  # text that would parse as a token
+    if marks and not split:  # a template that transforms its content: such text broken by an invisible joiner
+        spelled = "|".join(map(re.escape, marks))
+        content = re.sub(spelled, lambda m: m.group(0)[0] + "\u2060" + m.group(0)[1:], content)
     text = split[0] + content + split[1] if split else render(content)
-    return agent.tok(text, add_special_tokens=False).input_ids
+    if not (marks and split):
+        return agent.tok(text, add_special_tokens=False).input_ids
+    return plain_ids(agent.tok, text, len(split[0]), len(split[0]) + len(content), marks)
+
+
+def plain_ids(tok, text, start, end, marks):
+    """Ids of `text` in which outside text, text[start:end], enters as text: where it spells an added token
+    (`marks`: '<|im_end|>', '<tool_call>', ...), the tokenizer would read that token, and a passage could end
+    the turn and write the model's next one. Each such spelling is tokenized apart, as its first character and
+    the rest; the template's own tokens, outside [start, end), stay tokens."""
+    ids, i = (lambda t: tok(t, add_special_tokens=False).input_ids), 0
+    if not marks:
+        return ids(text)
+    out, spelled = [], re.compile("|".join(map(re.escape, sorted(marks, key=len, reverse=True))))
+    for m in spelled.finditer(text, start, end):
+        rest = m.group(0)[1:]  # at worst itself an added token's text: spelled apart in turn
+        out += ids(text[i:m.start()]) + ids(m.group(0)[0])
+        out += plain_ids(tok, rest, 0, len(rest), [x for x in marks if x in rest])
+        i = m.end()
+    return out + ids(text[i:])
 
 
 def prompt_ids(agent, kind, content):

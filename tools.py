@@ -10,6 +10,8 @@ and retries, and what still fails is a `SearchError` that the agent reads as its
 import html as html_lib
 import json
 import re
+import socket
+import threading
 import time
 import zlib
 from urllib.parse import urljoin
@@ -224,11 +226,50 @@ def host_port(url):
         return None
 
 
+def deadline_session(deadline):
+    """A requests session whose connections are shut down at `deadline` (time.monotonic()) by a watchdog,
+    whatever the server sends: a socket timeout bounds one read only, and a server that trickles its header
+    lines a byte at a time would pass every one (HttpSearch's own check reads the body, after the headers).
+    Closing the session cancels the watchdogs."""
+    import requests
+    timers = []
+
+    class Adapter(requests.adapters.HTTPAdapter):
+        def get_connection_with_tls_context(self, *a, **kw):
+            pool = super().get_connection_with_tls_context(*a, **kw)
+
+            class Watched(pool.ConnectionCls):
+                def connect(self):
+                    super().connect()
+                    timers.append(threading.Timer(max(0.0, deadline - time.monotonic()), shut_down, (self.sock,)))
+                    timers[-1].daemon = True
+                    timers[-1].start()
+            pool.ConnectionCls = Watched
+            return pool
+
+        def close(self):
+            for t in timers:
+                t.cancel()
+            super().close()
+    session = requests.Session()
+    session.mount("http://", Adapter(max_retries=0))
+    session.mount("https://", Adapter(max_retries=0))
+    return session
+
+
+def shut_down(sock):
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
+
+
 class HttpSearch:
     """Client of any server that speaks SearXNG's JSON API, as the toy server does.
 
     Each request has a total deadline: the body comes in small reads, and the first read ending past `timeout`
-    seconds ends it (a trickling server cannot hold it); at most `max_bytes` are read. Connection errors, timeouts
+    seconds ends it, and a watchdog shuts the connection down at it (deadline_session), headers under way or
+    not: a trickling server cannot hold it; at most `max_bytes` are read. Connection errors, timeouts
     and 5xx answers are retried `retries` times, waiting backoff, 2 * backoff, ... in between; a 4xx is not retried.
     What still fails raises SearchError: at start-up that stops the run with a message, during a rollout the agent
     reads it as the search's result. `visit_hosts`: hosts a model may visit beyond its own results."""
@@ -247,19 +288,25 @@ class HttpSearch:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             deadline, body = time.monotonic() + self.timeout, bytearray()
+            session = deadline_session(deadline)
             try:  # read1: what one recv brings, so the deadline is checked after each small read
-                with requests.request("GET" if payload is None else "POST", url, params=params, json=payload,
-                                      timeout=self.timeout, stream=True, allow_redirects=False,
-                                      headers={"Accept-Encoding": "identity"}) as r:
+                with session.request("GET" if payload is None else "POST", url, params=params, json=payload,
+                                     timeout=self.timeout, stream=True, allow_redirects=False,
+                                     headers={"Accept-Encoding": "identity"}) as r:
                     if r.headers.get("Content-Encoding", "identity") != "identity":  # no decompression bombs
                         raise SearchError(f"{what} sent a compressed body, asked for none")
                     while len(body) <= self.max_bytes and (chunk := r.raw.read1(65536, decode_content=False)):
                         body += chunk
                         if time.monotonic() > deadline:
                             raise requests.exceptions.Timeout(f"over {self.timeout} s")
-            except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError, ValueError) as e:
-                why = f"is not reachable ({type(e).__name__})"
+                    if time.monotonic() > deadline:  # the watchdog shut the socket: what came is not all
+                        raise requests.exceptions.Timeout(f"over {self.timeout} s")
+            except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError, ValueError, OSError) as e:
+                late = time.monotonic() > deadline  # the watchdog's shutdown fails the read under way
+                why = f"is not reachable ({'Timeout' if late else type(e).__name__})"
                 continue
+            finally:
+                session.close()
             try:  # in the charset the server names, if Python knows it (none: UTF-8, as JSON is)
                 text = clean_text(body[:self.max_bytes].decode(r.encoding or "utf-8", "replace"))
             except (LookupError, ValueError):

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import retriever
 import tools
 import toy_server
 import toy_tools as tt
@@ -219,6 +220,29 @@ def test_a_trickling_server_cannot_hold_a_request():
             with pytest.raises(tools.SearchError, match="Timeout"):
                 call()
             assert time.monotonic() - t0 < 1.5
+
+
+def trickled_headers(h):
+    """A status line, then header lines a byte every 0.1 s for 6 s: no read waits long, and the body's own
+    deadline check never comes."""
+    h.wfile.write(b"HTTP/1.1 200 OK\r\n")
+    for b in (b"X-Slow: " + b"x" * 55 + b"\r\n"):
+        h.wfile.write(bytes([b]))
+        h.wfile.flush()
+        time.sleep(0.1)
+
+
+def test_a_server_that_trickles_its_headers_cannot_hold_a_request():
+    """The deadline holds while the headers come in too (a watchdog shuts the connection down at it): a client
+    with a 0.5 s deadline was held for over 15 s by headers sent a byte every 0.2 s."""
+    with serving(trickled_headers) as (url, _):
+        for call in (lambda: tools.HttpSearch(url, timeout=0.5, retries=0).search("ada", 1, 1),
+                     lambda: retriever.RetrieveClient(url + "/retrieve", timeout=0.5, retries=0).search("ada")):
+            t0 = time.monotonic()
+            with pytest.raises(tools.SearchError, match="Timeout"):
+                call()
+            assert time.monotonic() - t0 < 1.5
+    assert threading.active_count() < 20  # the watchdogs of finished requests do not pile up
 
 
 def test_responses_and_pages_are_capped():

@@ -34,13 +34,17 @@ from urllib.parse import quote, urlparse
 
 import numpy as np
 
-from tools import NOT_AMONG, VISIT_CHARS, HttpSearch, SearchError, clean_text, json_lines, stable_seed
+from tools import (NOT_AMONG, VISIT_CHARS, HttpSearch, SearchError, clean_text, json_lines, stable_seed,
+                   sweep_temporary)
 from toy_server import DeadlineHandler, Server
 
 TOPK = 3             # passages per search, as Search-R1 trains with
 SNIPPET_CHARS = 600  # a result's text is cut to this: a whole 100-word passage (Search-R1's Wikipedia chunks)
 MAX_LINE = 1_000_000  # bytes of one corpus line
+TITLE_CHARS, ID_CHARS = 200, 64  # a result's title is cut to this; a longer id is cut and given its hash (doc_url)
 MAX_TOPK, MAX_QUERIES, MAX_BODY = 100, 1024, 1_000_000  # what one /retrieve request may ask
+MAX_RESULTS, MAX_REPLY = 3_000, 50_000_000  # queries x topk, and bytes, of one /retrieve reply
+RECENT = 10_000  # RetrieveClient: the passages it keeps for `visit`, the ones returned last
 CACHE_FORMAT = 1     # the cache's manifest names it; another value is rebuilt
 
 
@@ -53,15 +57,21 @@ def _bm25s():
 
 
 def passage_result(doc_id, contents):
-    """A passage as a search result: the first line of contents is its title, the rest its text."""
-    title, _, text = contents.partition("\n")
+    """A passage as a search result: the first line of contents is its title (cut to TITLE_CHARS), the rest its
+    text (cut to SNIPPET_CHARS)."""
+    title, _, text = contents[:TITLE_CHARS + 1 + 4 * SNIPPET_CHARS].partition("\n")
     url = doc_url(doc_id if doc_id is not None else f"{stable_seed(contents):08x}")  # a server may send no id
-    return {"url": url, "title": clean_text(title), "content": clean_text(" ".join(text.split())[:SNIPPET_CHARS])}
+    return {"url": url, "title": clean_text(" ".join(title.split())[:TITLE_CHARS]),
+            "content": clean_text(" ".join(text.split())[:SNIPPET_CHARS])}
 
 
 def doc_url(doc_id):
-    """A passage's url: its id, quoted, so that a model's tool call (whitespace collapsed) names it whole."""
-    return "doc://" + quote(str(doc_id), safe="")
+    """A passage's url: its id, quoted, so that a model's tool call (whitespace collapsed) names it whole; any
+    string at all (a lone surrogate's bytes are quoted too). An id over ID_CHARS is cut, with a hash of it all."""
+    raw = str(doc_id).encode("utf-8", "surrogatepass")
+    if len(raw) > ID_CHARS:
+        raw = raw[:ID_CHARS] + b"~" + hashlib.sha256(raw).hexdigest()[:16].encode()
+    return "doc://" + quote(raw, safe="")
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,17 +153,18 @@ def build_index(folder, contents, manifest):
     model = bm25s.BM25()
     model.index(bm25s.tokenize(contents, show_progress=True), show_progress=True)
     tmp = f"{folder}.tmp{os.getpid()}"
+    sweep_temporary(folder)
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
         model.save(tmp, show_progress=False)
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f)
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(tmp, folder)  # fails if another process renamed its own in first: the same index
     except OSError as e:  # e.g. a read-only corpus folder
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isdir(folder):
+        if load_index(folder, manifest) is None:
             print(f"bm25: cannot cache the index in {folder} ({e}); it is kept in memory only", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"bm25: indexed in {time.time() - t0:.1f} s", flush=True)
     return model
 
@@ -165,6 +176,8 @@ class Bm25Search:
     def __init__(self, corpus):
         bm25s = _bm25s()
         self.ids, self.contents, digest = read_corpus(corpus)
+        if not any(bm25s.tokenize(self.contents, return_ids=False, show_progress=False)):
+            raise ValueError(f"{corpus}: no passage holds a word to index (each is stop words and punctuation)")
         self.number = {doc_url(i): n for n, i in enumerate(self.ids)}  # url -> passage
         manifest = {"format": CACHE_FORMAT, "corpus_sha256": digest, "passages": len(self.ids),
                     "bm25s": bm25s.__version__}
@@ -235,10 +248,18 @@ class _Handler(DeadlineHandler):
             queries, k, with_scores = parse_request(body)
         except ValueError as e:
             return self.reply(422, {"detail": str(e)})
-        index, result = self.server.index, []
+        if len(queries) * k > MAX_RESULTS:
+            return self.reply(422, {"detail": f"at most {MAX_RESULTS} results a request (queries x topk)"})
+        index, result, size = self.server.index, [], 0
         for query in queries:
-            docs = [({"id": index.ids[n], "contents": index.contents[n]}, score) for n, score in index.retrieve(query, k)]
+            if time.monotonic() > self.cut_at:  # the connection was cut: nobody reads the rest
+                return None
+            docs = [({"id": index.ids[n], "contents": index.contents[n]}, score)
+                    for n, score in index.retrieve(query, k)]
             result.append([{"document": d, "score": s} if with_scores else d for d, s in docs])
+            size += sum(len(d["contents"]) + 100 for d, _ in docs)
+            if size > MAX_REPLY:
+                return self.reply(422, {"detail": f"the results pass {MAX_REPLY} bytes: ask for fewer"})
         return self.reply(200, {"result": result})
 
     def do_GET(self):
@@ -264,7 +285,7 @@ class RetrieveClient(HttpSearch):
     """The search tool on a server with Search-R1's POST /retrieve (--search http://HOST:PORT/retrieve): this
     module's or Search-R1's own. HttpSearch's guarantees hold: a total deadline, a size cap, retries with
     backoff, no decompression; a reply not of the shape (types, lengths, nesting, numbers) is a SearchError.
-    The API has no pages: `visit` reads a passage that this client's searches returned (the last 10,000)."""
+    The API has no pages: `visit` reads a passage that this client's searches returned (the last RECENT)."""
 
     def __init__(self, url, **kw):
         super().__init__(url, **kw)
@@ -280,8 +301,9 @@ class RetrieveClient(HttpSearch):
         results = []
         for doc in _documents(text):
             results.append(passage_result(doc.get("id"), doc["contents"]))
-            self.passages[results[-1]["url"]] = doc["contents"]
-        while len(self.passages) > 10_000:
+            self.passages.pop(results[-1]["url"], None)  # returned again: the most recent now
+            self.passages[results[-1]["url"]] = doc["contents"][:VISIT_CHARS]  # all that visit reads
+        while len(self.passages) > RECENT:  # the least recently returned go first
             del self.passages[next(iter(self.passages))]
         return results
 

@@ -12,6 +12,8 @@ weights, and saved as an ordinary Hugging Face folder, once, in the cache (MGRPO
     python mgrpo.py --main-model smollm2 --sub-model smollm2 ...
 """
 import contextlib
+import functools
+import hashlib
 import importlib.util
 import io
 import json
@@ -19,6 +21,8 @@ import os
 import secrets
 import shutil
 import time
+
+from tools import sweep_temporary
 
 NAME = "smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,9 +36,35 @@ def resolve(name):
     if name != NAME:
         return name
     folder = os.path.join(os.environ.get("MGRPO_CACHE") or os.path.expanduser("~/.cache/mgrpo"), "smollm2-135m-q4_1")
-    if not os.path.isfile(os.path.join(folder, DONE)):
-        convert(gguf_path(), folder)
+    path = gguf_path()
+    if not converted_from(folder, path):
+        convert(path, folder)
     return folder
+
+
+def converted_from(folder, path):
+    """Does `folder` hold a whole conversion of the file at `path` as installed now (the same bytes)?"""
+    try:
+        with open(os.path.join(folder, DONE)) as f:
+            done = json.load(f)
+        return isinstance(done, dict) and done.get("sha256") == file_digest(path, *stat_key(path))
+    except (OSError, ValueError):
+        return False
+
+
+def stat_key(path):
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def file_digest(path, size, mtime):
+    """The SHA-256 of a file, once per process for a given size and time (about 0.3 s for SmolLM2's 98 MB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def gguf_path():
@@ -57,6 +87,7 @@ def convert(path, folder):
     import transformers
     print(f"{NAME}: converting {path} to a Hugging Face folder in {folder} (once; about half a minute)", flush=True)
     t0, tmp = time.time(), f"{folder}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    sweep_temporary(folder)  # what conversions killed midway left
     try:
         with quiet():
             where, name = os.path.split(path)
@@ -65,6 +96,23 @@ def convert(path, folder):
     except Exception as e:  # noqa: BLE001  (gguf and transformers raise anything on a broken file)
         raise ValueError(f"{NAME}: {path} cannot be read ({type(e).__name__}: {str(e)[:200]}); the file may be "
                          f"truncated or corrupt: reinstall it with: {INSTALL} --force-reinstall") from None
+    try:
+        write_folder(loaded, tok, tmp, {"from": path, "sha256": file_digest(path, *stat_key(path))}, t0)
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        if os.path.isdir(folder) and not converted_from(folder, path):
+            shutil.rmtree(folder, ignore_errors=True)  # cut off, or converted from a file installed before
+        os.rename(tmp, folder)
+    except OSError as e:
+        if not converted_from(folder, path):  # not another process's conversion, made first: a real failure
+            raise ValueError(f"{NAME}: cannot write the converted model to {folder} ({e}); set MGRPO_CACHE to a "
+                             "folder with 540 MB free") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # whatever failed, no half-written 540 MB is left
+    print(f"{NAME}: converted in {time.time() - t0:.0f}s", flush=True)
+
+
+def write_folder(loaded, tok, tmp, source, t0):
+    """The loaded model as an ordinary float32 Hugging Face folder, and its tokenizer, in `tmp`; DONE last."""
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)  # the weights are float32 now; with it, transformers will not save
     model = type(loaded)(type(loaded.config).from_dict(config))
@@ -72,15 +120,7 @@ def convert(path, folder):
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, DONE), "w") as f:
-        json.dump({"from": path, "bytes": os.path.getsize(path), "seconds": round(time.time() - t0, 1)}, f)
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, DONE)):
-        shutil.rmtree(folder, ignore_errors=True)  # an earlier conversion cut off after its rename began
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{NAME}: converted in {time.time() - t0:.0f}s", flush=True)
+        json.dump({**source, "seconds": round(time.time() - t0, 1)}, f)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ and retries, and what still fails is a `SearchError` that the agent reads as its
 """
 import html as html_lib
 import json
+import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -55,6 +57,17 @@ def json_lines(path, max_line, digest=None):
             except (ValueError, RecursionError):
                 raise ValueError(f"{where}: not JSON") from None
             yield n, where, obj
+
+
+def sweep_temporary(path):
+    """Remove what a build or conversion killed midway left beside `path`: its '<path>.tmp<pid>...' folders
+    whose process is gone (a live one's is still being written)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+        rest = entry[len(name) + 4:] if entry.startswith(name + ".tmp") else None
+        pid = rest.lstrip("-").split("-")[0] if rest is not None else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
 
 
 class SearchError(RuntimeError):

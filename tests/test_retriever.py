@@ -418,3 +418,96 @@ def test_both_servers_answer_while_65_connections_idle_or_half_sent(kind, corpus
             s.close()
         srv.shutdown()
         srv.server_close()
+
+
+# ---------------------------------------------------------------------------------------
+# Outside text, bounded: ids, titles, what the client keeps, what the server computes
+# ---------------------------------------------------------------------------------------
+def test_any_id_makes_a_url_and_a_long_one_a_short_unique_url():
+    """A lone surrogate in an id made doc_url raise UnicodeEncodeError; an id is never cut into another's url."""
+    urls = {retriever.doc_url(i) for i in ("a\ud800b", "a\udc00b", "a?b", 7, "7 ", "x" * 100, "x" * 101)}
+    assert len(urls) == 7 and all(len(u) < 6 + 3 * retriever.ID_CHARS + 20 for u in urls)
+    assert retriever.doc_url("p1") == "doc://p1" and retriever.doc_url(3) == "doc://3"  # short ids as before
+
+
+def test_a_huge_title_or_id_gives_a_bounded_result():
+    """A 200 kB title made a 225,129-character search result; now a result is bounded whatever its passage."""
+    r = retriever.passage_result("i" * 300_000, "T" * 200_000 + "\n" + "word " * 100_000)
+    assert len(r["title"]) == retriever.TITLE_CHARS and len(r["url"]) < 100 and len(r["content"]) <= retriever.SNIPPET_CHARS
+    obs = tools.search_observation([r] * 3, chat=True)
+    assert len(obs) < 3 * (retriever.TITLE_CHARS + retriever.SNIPPET_CHARS + 150)
+
+
+def test_the_client_keeps_what_visit_reads_of_the_passages_returned_last(monkeypatch):
+    """RetrieveClient keeps VISIT_CHARS of a passage (all that visit reads), and forgets the least recently
+    returned: a passage returned again is kept, whatever came between (first-in, first-out lost it)."""
+    monkeypatch.setattr(retriever, "RECENT", 5)
+    replies = iter([[{"id": "keep", "contents": "T\n" + "k" * 50_000}]] + [[{"id": f"n{i}", "contents": "T\nx"}]
+                   for i in range(4)] + [[{"id": "keep", "contents": "T\n" + "k" * 50_000}]] + [[{"id": f"m{i}", "contents": "T\ny"}]
+                   for i in range(4)])
+
+    def respond(h):
+        docs = next(replies)
+        answer(h, 200, json.dumps({"result": [[{"document": d, "score": 1.0} for d in docs]]}))
+    with serving(respond) as (url, _):
+        client = retriever.RetrieveClient(url + "/retrieve", timeout=5.0, retries=0)
+        for _ in range(10):
+            client.search("q")
+    assert "doc://keep" in client.passages and len(client.passages) == 5
+    assert max(map(len, client.passages.values())) <= tools.VISIT_CHARS
+    assert client.visit("doc://keep", allowed=("doc://keep",)) == ("T\n" + "k" * 50_000)[:tools.VISIT_CHARS]
+
+
+@needs_bm25s
+def test_the_server_bounds_a_requests_work_and_stops_after_its_cut(corpus, monkeypatch):
+    """1,024 queries x top 100 in one request is refused; a request still computing when its connection's
+    total deadline passes stops (it went on computing after the cut)."""
+    index = retriever.Bm25Search(corpus)
+    calls, real = [], index.retrieve
+    index.retrieve = lambda q, k: calls.append(q) or time.sleep(0.05) or real(q, k)
+    monkeypatch.setattr(retriever._Handler, "total_timeout", 0.5)
+    srv = retriever.make_server(index)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/retrieve"
+    try:
+        r = requests.post(url, json={"queries": ["kab"] * 1024, "topk": 100}, timeout=10)
+        assert r.status_code == 422 and "at most 3000 results" in r.text and not calls
+        with pytest.raises(requests.exceptions.RequestException):
+            requests.post(url, json={"queries": ["kab"] * 200, "topk": 3}, timeout=10)
+        time.sleep(0.3)
+        assert 5 <= len(calls) <= 16  # about 0.5 s of 0.05 s queries, not 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@needs_bm25s
+def test_a_corpus_without_a_word_to_index_names_its_file(tmp_path):
+    path = tmp_path / "stop.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "contents": t}) + "\n" for i, t in enumerate(["the a of", "!!! ...", "and"])))
+    with pytest.raises(ValueError, match=r"stop.jsonl: no passage holds a word to index"):
+        retriever.Bm25Search(str(path))
+
+
+@needs_bm25s
+@pytest.mark.parametrize("error", [OSError("disk full"), RuntimeError("bm25s failed")])
+def test_a_failed_or_killed_index_build_leaves_no_temporary_folder(tmp_path, monkeypatch, error, capsys):
+    import bm25s
+    path = write_corpus(tmp_path / "c.jsonl", n=30)
+    stale = tmp_path / "c.jsonl.bm25.tmp999999999"  # a build killed midway, its process long gone
+    (stale / "sub").mkdir(parents=True)
+    live = tmp_path / f"c.jsonl.bm25.tmp{os.getpid()}x"  # not a dead process's: left alone
+    live.mkdir()
+    real = bm25s.BM25.save
+
+    def save(self, folder, **kw):
+        real(self, folder, **kw)  # written whole, then the failure
+        raise error
+    monkeypatch.setattr(bm25s.BM25, "save", save)
+    if isinstance(error, OSError):
+        assert retriever.Bm25Search(path).search("kab")  # kept in memory, with a message
+        assert "kept in memory only" in capsys.readouterr().out
+    else:
+        with pytest.raises(RuntimeError):
+            retriever.Bm25Search(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.jsonl", live.name])

@@ -15,6 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import helpers
+import mgrpo
 import retriever
 import tools
 import toy_server
@@ -520,3 +522,53 @@ def test_fuzz_every_parser_checker_and_tool_with_hostile_strings():
     kinds = collections.Counter(f[:2] for f in failures)
     assert not failures, f"{len(failures)} failures: {dict(kinds)}; e.g. {failures[:3]}"
     assert calls == 17 * len(strings) and parsed > 500  # some mutations stay valid: both paths are exercised
+
+
+def test_fuzz_the_real_data_parsers_with_hostile_strings():
+    """The same strings through what reads real outside text: a question file's line, a corpus line, a /retrieve
+    reply, a judge's reply and score, a passage's url and result, the programmatic r_expert, and a tool result's
+    ids (every 20th string: the tokenizer is slow on the largest). Each gives its value or its own error, one
+    that names the line where there is one; outside text never becomes an added token."""
+    import judge
+    import qa_task
+    from agents import message_ids
+    strings = fuzz_strings()
+    chat = helpers.load_agent("", mgrpo.parse_args(["--chat", "--model-size", "0.1M"]), seed=0)
+    added = set(chat.tok.get_added_vocab().values())
+    template = sum(i in added for i in message_ids(chat, "tool", "plain"))
+    q = qa_task.Question(0, 1, "Which country?", ["France"])
+    task, failures = qa_task.QaTask.__new__(qa_task.QaTask), []
+
+    def check(name, f, ok, errors=()):
+        try:
+            v = f()
+        except errors as e:
+            if "f.jsonl, line 3" not in str(e) and not isinstance(e, (judge.JudgeError, tools.SearchError)):
+                failures.append((name, "unnamed error", str(e)[:80]))
+            return
+        except Exception as e:  # noqa: BLE001  (nothing else may escape)
+            failures.append((name, type(e).__name__, str(e)[:80]))
+            return
+        if not ok(v):
+            failures.append((name, "bad value", f"{v!r:.80}"))
+
+    for n, s in enumerate(strings):
+        check("question_line", lambda: qa_task.question_line({"question": s, "answers": [s, "x"], "id": s}, "f.jsonl, line 3"),
+              lambda v: len(v) == 4 and all(qa_task.normalize(a) for a in v[1]), (ValueError,))
+        check("corpus line", lambda: retriever._passage({"id": s, "title": s, "contents": s}, "f.jsonl, line 3"),
+              lambda v: len(v) == 3, (ValueError,))
+        check("/retrieve reply", lambda: retriever._documents(s), lambda v: isinstance(v, list), (tools.SearchError,))
+        reply = json.dumps({"result": [[{"document": {"id": s, "contents": s}, "score": 1.0}]]})
+        check("/retrieve reply of s", lambda: retriever._documents(reply),  # JSON pairs up \\udxxx escapes
+              lambda v: v[0]["contents"] == json.loads(json.dumps(s)))
+        check("judge reply", lambda: judge.reply_content(s), lambda v: isinstance(v, str), (judge.JudgeError,))
+        check("judge score", lambda: judge.parse_score(s), lambda v: v is None or 0 <= v <= 1)
+        check("doc_url", lambda: retriever.doc_url(s), lambda v: v.isascii() and len(v) < 300)
+        check("passage_result", lambda: retriever.passage_result(s, s),
+              lambda v: len(v["title"]) <= retriever.TITLE_CHARS and len(v["content"]) <= retriever.SNIPPET_CHARS)
+        check("qa r_expert", lambda: task.expert_score(q, s, s, [s, "France"]), lambda v: v in (0.0, 1.0))
+        check("qa r_correct", lambda: task.answer_correct(q, s), lambda v: v in (True, False))
+        if n % 20 == 0:
+            check("tool result ids", lambda: message_ids(chat, "tool", s),
+                  lambda v: sum(i in added for i in v) == template)
+    assert not failures, f"{len(failures)} failures: {collections.Counter(f[:2] for f in failures)}; e.g. {failures[:3]}"

@@ -36,6 +36,16 @@ def biased(agent, bias):
     return a
 
 
+def decisive(agent):
+    """A copy of the agent with larger weights than at initialisation: its greedy turns differ by context."""
+    a, g = copy.deepcopy(agent), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in a.model.parameters():
+            if p.dim() == 2:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return a
+
+
 def contexts(agent, who="main"):
     texts = ["country of ada ?", "country of friend of bo ?", "city of cy", "friend of dex", "country of avon"]
     return [prompt_ids(agent, who, t) for t in texts]
@@ -137,12 +147,7 @@ def test_same_turns_as_hf_generate_with_a_clean_config(word_agent):
     tokens, writes the same turns (positions, masks and cache of left-padded rows agree), and its raw logits
     give the log-probs ours stored. (Sampled draws use another method than torch.multinomial, whose
     distribution the chi-square test above checks.)"""
-    agent = copy.deepcopy(word_agent)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # larger weights than at initialisation: greedy turns then differ by context
-        for p in agent.model.parameters():
-            if p.dim() == 2:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    agent = decisive(word_agent)
     ctx = contexts(agent)
     ours = mgrpo.generate(agent, ctx, 8, seed=3, greedy=True)
     L = max(map(len, ctx))
@@ -172,12 +177,7 @@ def test_static_cache_decoding_equals_the_eager_loop(word_agent):
     rows kept and masked), run eagerly on the CPU: greedy turns that end at different lengths
     are the eager loop's, token for token, with the same log-probs."""
     eos = word_agent.stop_ids[0]
-    agent = copy.deepcopy(word_agent)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # larger weights than at initialisation: greedy turns then differ by context
-        for p in agent.model.parameters():
-            if p.dim() == 2:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    agent = decisive(word_agent)
     agent = biased(agent, {eos: 2.0})
     static = copy.deepcopy(agent)
     static.graphs = {}
@@ -352,13 +352,8 @@ def test_finished_rows_that_ride_along_change_nothing(which, word_agent, chat_ag
     """Rows that ended their turn stay in the batch until they are sampling.LEAVE of it: greedy turns, their
     log-probs and each conversation's kept KV are the same whether finished rows leave at once, at half the
     batch, or never; the next turn from the kept KV is the whole context's."""
-    a = copy.deepcopy(word_agent if which == "word" else chat_agent)
+    a = decisive(word_agent if which == "word" else chat_agent)
     monkeypatch.setattr(sampling, "KEEP_MIN", 0)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # larger weights than at initialisation: greedy turns then differ by context
-        for p in a.model.parameters():
-            if p.dim() == 2:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
     a = biased(a, {a.end[0]: 2.0})
     ctxs = [prompt_ids(a, "sub", f"city of {p}") for p in toy_tools.PERSONS[:10]]
     results = {}

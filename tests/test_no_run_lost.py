@@ -58,12 +58,7 @@ def test_checkpoints_cost_a_share_of_the_run_by_default_and_a_resume_goes_on_fro
     mgrpo.main(opts)  # phases: 2 evaluations, 3 steps, 2 evaluations; a checkpoint counts the phases behind it
     assert positions == saved and len(checkpoints.checkpoints(str(out))) == checkpoints.KEEP
     real_step = mgrpo.train_step
-
-    def crash_at_3(main, sub, step, *a, **kw):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_step(main, sub, step, *a, **kw)
-    monkeypatch.setattr(mgrpo, "train_step", crash_at_3)
+    monkeypatch.setattr(mgrpo, "train_step", helpers.crashing(real_step, 3))
     with pytest.raises(KeyboardInterrupt):
         mgrpo.main(opts + ["--overwrite"])
     monkeypatch.setattr(mgrpo, "train_step", real_step)

@@ -374,12 +374,7 @@ def test_gpu_options_run_on_cpu_and_resume(cold_start_dir, tmp_path, capsys, mon
             "--dtype", "bfloat16", "--grad-checkpointing", "--micro-batch", "8", "--kl-coef", "0.05",
             "--steps", "3", "--lr", "3e-3", "--out", str(tmp_path)]
     real_step = mgrpo.train_step
-
-    def crash_at_3(main, play, step, *a, **kw):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_step(main, play, step, *a, **kw)
-    monkeypatch.setattr(mgrpo, "train_step", crash_at_3)
+    monkeypatch.setattr(mgrpo, "train_step", helpers.crashing(real_step, 3))
     with pytest.raises(KeyboardInterrupt):
         mgrpo.main(opts)
     assert "memory estimate, main:" in capsys.readouterr().out

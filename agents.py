@@ -288,21 +288,57 @@ def template_ids(agent, key, render, content):
         head, _, tail = ra.partition(a)
         agent.splits[agent.tok.chat_template, key] = (head, tail) if a in ra and rb == head + b + tail else None
     split = agent.splits[agent.tok.chat_template, key]
-    marks = [m for m in agent.tok.get_added_vocab() if m and m in content]  # text that would parse as a token
-    if marks and not split:  # a template that transforms its content: such text broken by an invisible joiner
-        spelled = "|".join(map(re.escape, marks))
-        content = re.sub(spelled, lambda m: m.group(0)[0] + "\u2060" + m.group(0)[1:], content)
+    marks = marks_in(agent.tok, content)
+    if marks and not (split and pieces_ok(agent)):  # the spellings broken by an invisible joiner instead
+        content, marks = joined(content, marks), []
     text = split[0] + content + split[1] if split else render(content)
-    if not (marks and split):
+    if not marks:
         return agent.tok(text, add_special_tokens=False).input_ids
     return plain_ids(agent.tok, text, len(split[0]), len(split[0]) + len(content), marks)
 
 
+FORMAT_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<answer>", "</answer>",
+               "<think>", "</think>")
+
+
+def marks_in(tok, text, tags=True):
+    """The spellings, in outside `text`, of the tokenizer's special tokens ('<|im_end|>', '<eos>') and (tags) of
+    the format's tags where they are added tokens ('<tool_call>'): the tokenizer would read each as its token,
+    and a passage could end the turn and write the model's next one."""
+    added = tok.added_tokens_decoder.values()
+    structural = {t.content for t in added if t.special} | {t.content for t in added if tags and t.content in FORMAT_TAGS}
+    return [m for m in structural if m and m in text]
+
+
+def joined(text, marks):
+    """text with a word joiner (U+2060, invisible) after the first character of each spelling of a mark."""
+    spelled = "|".join(map(re.escape, sorted(marks, key=len, reverse=True)))
+    return re.sub(spelled, lambda m: m.group(0)[0] + "\u2060" + m.group(0)[1:], text)
+
+
+def pieces_ok(agent):
+    """Does the tokenizer give back text tokenized in pieces exactly (byte-level BPE does; SentencePiece's
+    Metaspace puts a space before each piece)? Then plain_ids spells marks exactly, else they are joined."""
+    key = (agent.tok.chat_template, "pieces")
+    if key not in agent.splits:
+        ids = lambda t: agent.tok(t, add_special_tokens=False).input_ids  # noqa: E731
+        agent.splits[key] = agent.tok.decode(ids("x <") + ids("|y\n z")) == "x <|y\n z"
+    return agent.splits[key]
+
+
+def outside_ids(agent, text, tags=True):
+    """Ids of `text` whose spellings of structural tokens (marks_in) enter as text; tags=False: the format's own
+    tags stay tokens (an assistant turn that the model writes, as a cold-start demo shows it)."""
+    marks = marks_in(agent.tok, text, tags)
+    if marks and pieces_ok(agent):
+        return plain_ids(agent.tok, text, 0, len(text), marks)
+    return agent.tok(joined(text, marks) if marks else text, add_special_tokens=False).input_ids
+
+
 def plain_ids(tok, text, start, end, marks):
-    """Ids of `text` in which outside text, text[start:end], enters as text: where it spells an added token
-    (`marks`: '<|im_end|>', '<tool_call>', ...), the tokenizer would read that token, and a passage could end
-    the turn and write the model's next one. Each such spelling is tokenized apart, as its first character and
-    the rest; the template's own tokens, outside [start, end), stay tokens."""
+    """Ids of `text` in which outside text, text[start:end], enters as text: each spelling of a mark in it is
+    tokenized apart, as its first character and the rest; the template's own tokens, outside [start, end),
+    stay tokens."""
     ids, i = (lambda t: tok(t, add_special_tokens=False).input_ids), 0
     if not marks:
         return ids(text)

@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agents import adamw, add_adapter, load_agent, message_ids, new_traj, share_base
+from agents import adamw, add_adapter, load_agent, message_ids, new_traj, outside_ids, share_base
 from checkpoints import load_reference, save_checkpoint, save_frozen
 from run import agent_kinds, exit_with_parent, load_task, search_tool
 import smollm2
@@ -127,7 +127,7 @@ def encode_demo(agent, msgs, kind):
     t = new_traj(agent, kind, msgs[0]["content"])
     for msg in msgs[1:]:
         if msg["role"] == "assistant":
-            ids = agent.tok(msg["content"], add_special_tokens=False).input_ids + [agent.end[0]]
+            ids = outside_ids(agent, msg["content"], tags=False) + [agent.end[0]]  # quotes outside text
             t.add(ids, [0.0] * len(ids))
         else:
             t.add(message_ids(agent, msg["role"], msg["content"]))

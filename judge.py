@@ -62,9 +62,17 @@ def endpoints(url):
 
 def prompt(task, answer, reads):
     """The judge's user message: the sub-task, what S read (cut to READ_CHARS), S's answer as a JSON string, so
-    that an answer cannot pass for the prompt's own text ('... The agent's answer: x. score: 1')."""
+    that an answer cannot pass for the prompt's own text ('... The agent's answer: x. score: 1'). No '<' of
+    outside text starts a tag the judge's server could parse as a token ('<|im_end|>'): in the answer it is
+    the JSON escape, elsewhere a word joiner follows it."""
     read = "\n\n".join(reads)[:READ_CHARS] or "(nothing)"
-    return f"Task: {task}\n\nWhat the agent read:\n{read}\n\nThe agent's answer: {json.dumps(answer)}"
+    quoted = json.dumps(answer, ensure_ascii=False).replace("<", "\\u003c")  # names as written: 'Zürich'
+    return f"Task: {unmarked(task)}\n\nWhat the agent read:\n{unmarked(read)}\n\nThe agent's answer: {quoted}"
+
+
+def unmarked(text):
+    """text with a word joiner (U+2060, invisible) after each '<' that could open a tag or a token."""
+    return re.sub(r"<(?=[|/!A-Za-z])", "<\u2060", text)
 
 
 def parse_score(reply):

@@ -85,8 +85,8 @@ class Args:
     ppo_epochs: int = arg(1, "passes over each batch; with 1 the ratio is 1 and the clip never acts")
     grad_clip: float = arg(1.0, "max gradient norm per agent (it does not bound AdamW's step: lr does)")
     max_kl: float = arg(0.0, "largest KL per trained token, on its own batch, by which one update may move a "
-                        "policy from the one that sampled; a step past it is halved until within; 0: off (the "
-                        "paper has none)")
+                        "policy from the weights before it; a step past it is halved until within (none "
+                        "after 10 halvings); 0: off (the paper has none)")
     kl_coef: float = arg(0.0, "k3 KL to a frozen copy of each agent as RL starts (0, as the paper)")
     main_max_turns: int = arg(4, "M's turns per rollout: its delegations and the answer")
     sub_max_turns: int = arg(3, "S's turns per sub-task: its tool calls and the answer")
@@ -368,15 +368,18 @@ def micro_batches(mask, micro_batch, agg="seq-mean"):
         yield sl, (min(mb, B - s) / B) if agg == "seq-mean" else mask[sl].sum() / n_tok
 
 
-def backward(agent, batch, adv, ref, args, log, is_weight=None, sampled=None):
+def backward(agent, batch, adv, ref, args, log, is_weight=None, sampled=None, pre=None):
     """The gradient of one agent's clipped surrogate (eq. 14-19) over its batch, accumulated micro-batch
     by micro-batch; False at the first loss that is not finite. ref: --kl-coef's reference log-probs.
     sampled: a bf16 sampler's log-probs, while the weights are those that sampled: the batch's old
-    log-probs become training's own, and is_weight each token's truncated_is_weight."""
+    log-probs become training's own, and is_weight each token's truncated_is_weight. pre: filled with
+    the log-probs at these weights (--max-kl measures the step from them)."""
     ids, attn, mask, old = batch
     for rows, weight in micro_batches(mask, args.micro_batch, args.loss_agg):
         with log.timed("t_fwd"), agent.autocast():
             logp = token_logprobs(agent.model, ids[rows], attn[rows], mask[rows])
+        if pre is not None:
+            pre[rows] = logp.detach().float()
         if sampled is not None:
             log.gap(logp.detach(), sampled[rows], mask[rows], IS_CAP)
             is_weight[rows] = truncated_is_weight(logp.detach(), sampled[rows], mask[rows])
@@ -403,17 +406,20 @@ def update_agent(agent, trajs, adv, args, stale=False):
     log = UpdateLog(agent.model.device, batch, args.ppo_epochs)
     sampled = batch[3].clone() if agent.bf16 and not stale else None  # a bf16 sampler: truncated_is_weight
     is_weight = None if sampled is None else torch.ones_like(sampled)
+    pre = torch.zeros_like(batch[3]) if args.max_kl else None  # log-probs at each step's start, for --max-kl
     with agent.training():
         for _ in range(args.ppo_epochs):
             agent.opt.zero_grad(set_to_none=True)
-            finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log, is_weight, sampled)
+            finite = backward(agent, batch, adv.to(agent.model.device), ref, args, log, is_weight, sampled, pre)
             before = [p.detach().clone() for p in agent.opt.param_groups[0]["params"]] if args.max_kl else None
+            state = optimizer_state(agent.opt) if args.max_kl else None
             with log.timed("t_bwd", sync=True):  # the clip and the step count with the backward pass
                 grad_norm = clip_and_step(agent, finite, args.grad_clip, log)
             if torch.isfinite(grad_norm):  # the weights moved: the old log-probs are those of the ones that sampled
                 sampled = None
-            if before is not None:
-                log.rec["kl_step"], log.rec["halved"] = within_kl(agent, batch, before, args.max_kl, args.micro_batch)
+                if args.max_kl:
+                    log.rec["kl_step"], log.rec["halved"] = within_kl(agent, batch, pre, before, state, args.max_kl,
+                                                                      args.micro_batch)
     skipped_in_a_row(agent, log.rec["skipped"])
     return log.result(grad_norm)
 
@@ -432,24 +438,52 @@ def clip_and_step(agent, finite, max_norm, log):
     return grad_norm
 
 
-MAX_HALVINGS = 10  # --max-kl: a step halved this often is 1/1024 of AdamW's
+MAX_HALVINGS = 10  # --max-kl: a step halved this often is 1/1024 of AdamW's; past it, none is taken
 
 
 @torch.no_grad()
-def within_kl(agent, batch, before, max_kl, micro_batch=0):
+def within_kl(agent, batch, pre, before, state, max_kl, micro_batch=0):
     """--max-kl, a trust region the paper does not have: AdamW moves every weight by about lr whatever the
     gradient, and with one epoch per batch the ratio's clip (eq. 14-19) never acts, so nothing else bounds
-    how far one update moves the policy (experiments/stage2-probes.md). While the batch's mean log p_old -
-    log p_new over its trained tokens exceeds max_kl, the step goes halfway back to `before`, up to
-    MAX_HALVINGS times. AdamW's moments keep this gradient. Returns (that KL, the halvings)."""
-    _, _, mask, old = batch
-    for halvings in range(MAX_HALVINGS + 1):
-        new = batch_logprobs(agent, agent.model, batch, micro_batch)
-        kl = float(((old - new.float()) * mask).sum() / mask.sum().clamp(min=1))
-        if kl <= max_kl or halvings == MAX_HALVINGS:
-            return kl, halvings
-        for p, b in zip(agent.opt.param_groups[0]["params"], before):
-            p.lerp_(b, 0.5)
+    how far one update moves the policy (experiments/stage2-probes.md). The step just taken is searched
+    backwards: the weights go to before + step / 2^h for h = 0, 1, ... MAX_HALVINGS, the first at which
+    the batch's KL from the weights before the step (`pre`, their log-probs of its trained tokens) is within
+    max_kl; none within: no step at all. A step cut short leaves AdamW as before it (`state`), so that its
+    moments do not take the rejected direction again. Returns (that KL, the halvings: MAX_HALVINGS + 1 for no
+    step)."""
+    mask, params = batch[2], agent.opt.param_groups[0]["params"]
+    after = [p.detach().clone() for p in params]
+    for h in range(MAX_HALVINGS + 2):
+        scale = 0.5 ** h if h <= MAX_HALVINGS else 0.0
+        if h:
+            for p, b, a in zip(params, before, after):
+                torch.lerp(b, a, scale, out=p.data)
+        kl = k3_kl(pre, batch_logprobs(agent, agent.model, batch, micro_batch).float(), mask) if scale else 0.0
+        if kl <= max_kl:
+            break
+    if scale < 1:
+        restore_state(agent.opt, state)
+    return kl, h
+
+
+def k3_kl(old, new, mask):
+    """KL(old || new) per trained token, estimated on tokens drawn from old: the mean of the k3 estimator
+    (ratio - 1) - log ratio, ratio = new / old, which is never negative, unlike the mean of old - new."""
+    log_ratio = (new - old) * mask
+    return float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum().clamp(min=1))
+
+
+def optimizer_state(opt):
+    """A copy of the optimizer's per-weight state (AdamW: step, moments), for restore_state."""
+    return {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()}
+
+
+def restore_state(opt, state):
+    for p in list(opt.state):
+        if p in state:
+            opt.state[p] = state[p]
+        else:  # no state before: the step was the first
+            del opt.state[p]
 
 
 # =========================================================================================

@@ -112,7 +112,7 @@ below between both but by can could did do does doing down during each few for f
 her here hers herself him himself his how i if in into is it its itself just me more most my myself no nor not of off
 on once only or other our ours ourselves out over own same she should so some such than that the their theirs them
 themselves then there these they this those through to too under until up very was we were what when where which
-while who whom why will with would you your yours yourself yourselves""".split())  # r_expert's: no answer alone
+while who whom why will with would yes you your yours yourself yourselves""".split())  # r_expert's: no answer alone
 
 
 def normalize(s):
@@ -172,9 +172,11 @@ class QaTask:
         """r_expert without a judge: S's answer, normalized, whole in a passage it read (its search results or
         visits), and with a word of its own: neither a stop word nor a word of the sub-task (else any word
         read, "of" or the sub-task's own "Ulm", would score). It checks that S's answer is grounded, not that
-        it answers the sub-task: --judge does that."""
-        a = normalize(result or "")
-        asked = set(normalize(subtask or "").split()) | STOP_WORDS
+        it answers the sub-task: --judge does that. A choice the sub-task offers ("Ulm or Bonn?") may be the
+        answer; a yes or a no never scores alone (both are stop words)."""
+        a, words = normalize(result or ""), normalize(subtask or "").split()
+        offered = {w for i, w in enumerate(words) if "or" in words[max(0, i - 1):i] + words[i + 1:i + 2]} - {"or"}
+        asked = (set(words) - offered) | STOP_WORDS
         return float(any(w not in asked for w in a.split())
                      and any(f" {a} " in f" {normalize(passage_text(r))} " for r in reads))
 

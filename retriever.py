@@ -35,7 +35,7 @@ from urllib.parse import quote, urlparse
 import numpy as np
 
 from tools import (NOT_AMONG, VISIT_CHARS, HttpSearch, SearchError, clean_text, json_lines, stable_seed,
-                   sweep_temporary)
+                   sweep_temporary, temporary_name)
 from toy_server import DeadlineHandler, Server
 
 TOPK = 3             # passages per search, as Search-R1 trains with
@@ -43,7 +43,7 @@ SNIPPET_CHARS = 600  # a result's text is cut to this: a whole 100-word passage 
 MAX_LINE = 1_000_000  # bytes of one corpus line
 TITLE_CHARS, ID_CHARS = 200, 64  # a result's title is cut to this; a longer id is cut and given its hash (doc_url)
 MAX_TOPK, MAX_QUERIES, MAX_BODY = 100, 1024, 1_000_000  # what one /retrieve request may ask
-MAX_RESULTS, MAX_REPLY = 3_000, 50_000_000  # queries x topk, and bytes, of one /retrieve reply
+MAX_RESULTS, MAX_REPLY = MAX_QUERIES * TOPK, 50_000_000  # queries x topk, and bytes, of one /retrieve reply
 RECENT = 10_000  # RetrieveClient: the passages it keeps for `visit`, the ones returned last
 CACHE_FORMAT = 1     # the cache's manifest names it; another value is rebuilt
 
@@ -59,7 +59,9 @@ def _bm25s():
 def passage_result(doc_id, contents):
     """A passage as a search result: the first line of contents is its title (cut to TITLE_CHARS), the rest its
     text (cut to SNIPPET_CHARS)."""
-    title, _, text = contents[:TITLE_CHARS + 1 + 4 * SNIPPET_CHARS].partition("\n")
+    cut = contents.find("\n")  # the title and the text each cut before they are split (linear in contents)
+    title, text = (contents, "") if cut < 0 else (contents[:cut], contents[cut + 1:cut + 1 + 4 * SNIPPET_CHARS])
+    title = title[:4 * TITLE_CHARS]
     url = doc_url(doc_id if doc_id is not None else f"{stable_seed(contents):08x}")  # a server may send no id
     return {"url": url, "title": clean_text(" ".join(title.split())[:TITLE_CHARS]),
             "content": clean_text(" ".join(text.split())[:SNIPPET_CHARS])}
@@ -150,9 +152,12 @@ def build_index(folder, contents, manifest):
     bm25s = _bm25s()
     print(f"bm25: indexing {len(contents)} passages into {folder} ...", flush=True)
     t0 = time.time()
-    model = bm25s.BM25()
-    model.index(bm25s.tokenize(contents, show_progress=True), show_progress=True)
-    tmp = f"{folder}.tmp{os.getpid()}"
+    model, tokens = bm25s.BM25(), bm25s.tokenize(contents, show_progress=True)
+    if not tokens.vocab:
+        raise ValueError(f"{folder[:-len('.bm25')]}: no passage holds a word to index (each is stop words and "
+                         "punctuation)")
+    model.index(tokens, show_progress=True)
+    tmp = temporary_name(folder)
     sweep_temporary(folder)
     try:
         model.save(tmp, show_progress=False)
@@ -176,8 +181,6 @@ class Bm25Search:
     def __init__(self, corpus):
         bm25s = _bm25s()
         self.ids, self.contents, digest = read_corpus(corpus)
-        if not any(bm25s.tokenize(self.contents, return_ids=False, show_progress=False)):
-            raise ValueError(f"{corpus}: no passage holds a word to index (each is stop words and punctuation)")
         self.number = {doc_url(i): n for n, i in enumerate(self.ids)}  # url -> passage
         manifest = {"format": CACHE_FORMAT, "corpus_sha256": digest, "passages": len(self.ids),
                     "bm25s": bm25s.__version__}
@@ -257,7 +260,7 @@ class _Handler(DeadlineHandler):
             docs = [({"id": index.ids[n], "contents": index.contents[n]}, score)
                     for n, score in index.retrieve(query, k)]
             result.append([{"document": d, "score": s} if with_scores else d for d, s in docs])
-            size += sum(len(d["contents"]) + 100 for d, _ in docs)
+            size += len(json.dumps(result[-1]))  # as sent: escapes count
             if size > MAX_REPLY:
                 return self.reply(422, {"detail": f"the results pass {MAX_REPLY} bytes: ask for fewer"})
         return self.reply(200, {"result": result})

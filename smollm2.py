@@ -18,11 +18,10 @@ import importlib.util
 import io
 import json
 import os
-import secrets
 import shutil
 import time
 
-from tools import sweep_temporary
+from tools import sweep_temporary, temporary_name
 
 NAME = "smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,7 +35,12 @@ def resolve(name):
     if name != NAME:
         return name
     folder = os.path.join(os.environ.get("MGRPO_CACHE") or os.path.expanduser("~/.cache/mgrpo"), "smollm2-135m-q4_1")
-    path = gguf_path()
+    try:
+        path = gguf_path()
+    except ValueError:  # the wheel gone: a whole conversion made before still serves
+        if os.path.isfile(os.path.join(folder, DONE)):
+            return folder
+        raise
     if not converted_from(folder, path):
         convert(path, folder)
     return folder
@@ -54,12 +58,12 @@ def converted_from(folder, path):
 
 def stat_key(path):
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
 
 
 @functools.lru_cache(maxsize=4)
-def file_digest(path, size, mtime):
-    """The SHA-256 of a file, once per process for a given size and time (about 0.3 s for SmolLM2's 98 MB)."""
+def file_digest(path, *stat):
+    """The SHA-256 of a file, once per process while its stat_key holds (about 0.3 s for SmolLM2's 98 MB)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -75,8 +79,6 @@ def gguf_path():
     path = os.path.join(list(spec.submodule_search_locations)[0], GGUF)
     if not os.path.isfile(path):
         raise ValueError(f"{NAME}: {path} is missing; reinstall the package: {INSTALL} --force-reinstall")
-    if importlib.util.find_spec("gguf") is None:
-        raise ValueError(f"{NAME}: reading {GGUF} needs the package gguf; install it with: {INSTALL}")
     return path
 
 
@@ -85,8 +87,10 @@ def convert(path, folder):
     to it, so that a conversion cut off leaves nothing half made (and two at once leave one)."""
     import torch
     import transformers
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"{NAME}: reading {GGUF} needs the package gguf; install it with: {INSTALL}")
     print(f"{NAME}: converting {path} to a Hugging Face folder in {folder} (once; about half a minute)", flush=True)
-    t0, tmp = time.time(), f"{folder}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    t0, tmp = time.time(), temporary_name(folder)
     sweep_temporary(folder)  # what conversions killed midway left
     try:
         with quiet():

@@ -11,6 +11,7 @@ import html as html_lib
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import threading
@@ -59,15 +60,33 @@ def json_lines(path, max_line, digest=None):
             yield n, where, obj
 
 
+def temporary_name(path):
+    """'<path>.tmp-<host>-<pid>-<random>': where a build or conversion writes before renaming it to `path`."""
+    host = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+    return f"{path}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
 def sweep_temporary(path):
-    """Remove what a build or conversion killed midway left beside `path`: its '<path>.tmp<pid>...' folders
-    whose process is gone (a live one's is still being written)."""
+    """Remove what a build or conversion killed midway left beside `path` (temporary_name): this host's folders
+    whose process is gone. A live process's is still being written; another host's (a shared disk) is not ours
+    to judge."""
     folder, name = os.path.split(os.path.abspath(path))
+    mine = temporary_name(name).rsplit("-", 2)[0] + "-"
     for entry in os.listdir(folder) if os.path.isdir(folder) else []:
-        rest = entry[len(name) + 4:] if entry.startswith(name + ".tmp") else None
-        pid = rest.lstrip("-").split("-")[0] if rest is not None else ""
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        pid = entry[len(mine):].split("-")[0] if entry.startswith(mine) else ""
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+
+
+def alive(pid):
+    """Is there a process `pid` on this host (one of another user's too)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 class SearchError(RuntimeError):
@@ -252,11 +271,12 @@ def deadline_session(deadline):
             pool = super().get_connection_with_tls_context(*a, **kw)
 
             class Watched(pool.ConnectionCls):
-                def connect(self):
-                    super().connect()
-                    timers.append(threading.Timer(max(0.0, deadline - time.monotonic()), shut_down, (self.sock,)))
+                def _new_conn(self):  # the plain socket, watched before a TLS handshake runs on it
+                    sock = super()._new_conn()
+                    timers.append(threading.Timer(max(0.0, deadline - time.monotonic()), shut_down, (sock,)))
                     timers[-1].daemon = True
                     timers[-1].start()
+                    return sock
             pool.ConnectionCls = Watched
             return pool
 

@@ -50,11 +50,11 @@ def policy_moved(agent, trajs):
 
 def probe(update_agent, names, current, path):
     """update_agent, wrapped: each call measured and written to `path`."""
-    def probed(agent, trajs, adv, args):
+    def probed(agent, trajs, adv, args, **kw):
         params = [p for p in agent.model.parameters() if p.requires_grad]
         before, lr = [p.detach().clone() for p in params], agent.opt.param_groups[0]["lr"]
         v_rms = adam_v_rms(agent.opt, params)
-        out = update_agent(agent, trajs, adv, args)
+        out = update_agent(agent, trajs, adv, args, **kw)
         g = [p.grad for p in params if p.grad is not None]  # the last epoch's, as clipped
         g_rms = (sum(float((x.float() ** 2).sum()) for x in g) / sum(p.numel() for p in params)) ** 0.5
         deltas = [(p.detach() - b) for p, b in zip(params, before)]

@@ -148,9 +148,10 @@ def test_gradient_clipping_does_not_bound_an_adam_step(args, agents):
 
 
 def test_max_kl_halves_a_step_until_the_policy_moved_less_than_it(args, agents):
-    """--max-kl: a step that moves the policy's log-probs of its own batch (sampled by the model before
-    the step) by more than max_kl per trained token is halved until it does not: the weights end at
-    before + step / 2^halvings, and the KL it reports is the batch's."""
+    """--max-kl: a step that moves the policy's log-probs of its own batch, from the weights before the step,
+    by more than max_kl per trained token (k3, never negative) is halved until it does not: the weights end
+    at before + step / 2^halvings, AdamW's state as before the step; past MAX_HALVINGS no step is taken. The
+    batch's own old log-probs (a sampler's, one update behind under --mode unsync) do not count."""
     agent = copy.deepcopy(agents[0])
     demos = [toy_tools.main_demo(toy_tools.make_question(s, 2), random.Random(s), 0.3) for s in range(4)]
     trajs = [encode_demo(agent, d, "main") for d in demos]
@@ -158,22 +159,40 @@ def test_max_kl_halves_a_step_until_the_policy_moved_less_than_it(args, agents):
     with torch.no_grad():
         old = token_logprobs(agent.model, ids, attn)
     for t, row in zip(trajs, old):
-        t.logp = row[:len(t.ids)].tolist()  # as sampled by this very model
+        t.logp = (row[:len(t.ids)] - 0.5).tolist()  # a policy other than these weights sampled them
     adv, a = torch.tensor([1.0, -1.0, 0.5, -0.5]), copy.deepcopy(args)
     a.grad_clip, a.max_kl = 1e9, 0.0
     free = copy.deepcopy(agent)
+    mgrpo.update_agent(free, trajs, adv, a)  # a first step, so that AdamW has moments to restore
+    agent = copy.deepcopy(free)
+    with torch.no_grad():
+        old = token_logprobs(agent.model, ids, attn)
     free.opt.param_groups[0]["lr"] = agent.opt.param_groups[0]["lr"] = 1e-2  # a large step
     before = [p.detach().clone() for p in agent.model.parameters()]
+    state = copy.deepcopy(agent.opt.state_dict())
     mgrpo.update_agent(free, trajs, adv, a)
     a.max_kl = 1e-3
     rec = mgrpo.update_agent(agent, trajs, adv, a)
-    assert rec["halved"] >= 1 and 0 <= rec["kl_step"] <= 1e-3
+    assert 1 <= rec["halved"] <= mgrpo.MAX_HALVINGS and 0 <= rec["kl_step"] <= 1e-3
     scale = 0.5 ** rec["halved"]
     for p, q, b in zip(agent.model.parameters(), free.model.parameters(), before):
         assert torch.allclose(p, b + scale * (q - b), atol=1e-6)
     with torch.no_grad():
         new = token_logprobs(agent.model, ids, attn)
-    assert abs(float(((old - new) * mask).sum() / mask.sum()) - rec["kl_step"]) < 1e-5
+    assert abs(mgrpo.k3_kl(old, new, mask) - rec["kl_step"]) < 1e-6
+    after = agent.opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i, st in state["state"].items() for k, v in st.items())  # as before
+    a.max_kl = 1e-30  # nothing but no step is within: none is taken
+    rec = mgrpo.update_agent(agent, trajs, adv, a)
+    assert rec["halved"] == mgrpo.MAX_HALVINGS + 1 and rec["kl_step"] == 0.0
+    assert all(torch.equal(p, b + scale * (q - b)) for p, q, b in zip(agent.model.parameters(),
+                                                                      free.model.parameters(), before))
+
+
+def test_the_k3_kl_is_never_negative_where_the_mean_log_ratio_is():
+    old, new, mask = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-0.5, -1.5]]), torch.ones(1, 2)
+    assert float(((old - new) * mask).sum() / mask.sum()) < 0 < mgrpo.k3_kl(old, new, mask)
+    assert mgrpo.k3_kl(old, old, mask) == 0.0
 
 
 def test_a_non_finite_step_is_skipped_and_three_in_a_row_stop_the_run(args, agents, capsys):

@@ -31,10 +31,11 @@ def chat_dir(chat_run):
 
 
 def test_the_chat_path_learns(chat_run):
-    """The cold start reads the search results (its check passes in one round, the greedy system
-    right on every level-1 question or nearly), and RL raises sampled success."""
+    """The cold start reads the search results (its check passes in one round, on questions of its own; the
+    greedy system right on nearly every level-1 test question), and RL raises sampled success."""
     s, _ = chat_run
-    assert s["sft_check"]["passed"] and s["sft_check"]["rounds"] == 1 and s["sft_check"]["greedy"]["1"] >= 0.9, s
+    assert s["sft_check"]["passed"] and s["sft_check"]["rounds"] == 1 and s["sft_check"]["greedy"]["1"] >= 0.8, s
+    assert s["eval_greedy_success_start"] >= 0.9, s
     assert s["eval_success_end"] >= s["eval_success_start"] + 0.1, s
 
 
@@ -128,9 +129,9 @@ def test_chat_training_one_process_trains_on_the_sampled_ids(chat_dir, tmp_path,
     trained = []
     real_update = mgrpo.update_agent
 
-    def update_agent(agent, trajs, adv, args):
+    def update_agent(agent, trajs, adv, args, **kw):
         trained.extend(copy.deepcopy(trajs))
-        return real_update(agent, trajs, adv, args)
+        return real_update(agent, trajs, adv, args, **kw)
     monkeypatch.setattr(mgrpo, "update_agent", update_agent)
     s = mgrpo.main(RUN + ["--main-model", chat_dir["main"], "--sub-model", chat_dir["sub"], "--steps", "2",
                           "--out", str(tmp_path)])

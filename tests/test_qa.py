@@ -240,8 +240,12 @@ def test_a_missing_file_and_word_level_models_are_clear_errors(qa_files, tmp_pat
         with pytest.raises(SystemExit):
             mgrpo.parse_args(argv)
         assert why in capsys.readouterr().err
-    assert mgrpo.parse_args(["--task", f"qa:{qa_files[0]}", "--main-model", "m", "--sub-model", "s"]).task
-    assert mgrpo.parse_args(["--task", f"qa:{qa_files[0]}", "--main-model", "m", "--mode", "single-agent"]).task
+    m, s = tmp_path / "m", tmp_path / "s"  # model folders (the names are checked before anything runs)
+    for folder in (m, s):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    assert mgrpo.parse_args(["--task", f"qa:{qa_files[0]}", "--main-model", str(m), "--sub-model", str(s)]).task
+    assert mgrpo.parse_args(["--task", f"qa:{qa_files[0]}", "--main-model", str(m), "--mode", "single-agent"]).task
 
 
 def test_splits_keep_training_and_evaluation_seeds_apart(qa_files):

@@ -377,7 +377,7 @@ def test_a_users_mistakes_at_start_up_get_one_line_and_leave_no_folder(tmp_path,
              (["--judge", "http://127.0.0.1:9"], "not reachable"),
              (["--main-model", "does-not-exist"], "cannot be reached to download it; --main-model smollm2 needs no"),
              (["--sub-model", "./models/does-not-exist"], "no such folder here"),
-             (["--main-model", str(tmp_path)], "the folder holds no model (no config.json)")]
+             (["--main-model", str(tmp_path)], "the folder holds no model (no config.json or adapter_config.json)")]
     if importlib.util.find_spec("bm25s"):
         cases.append((["--search", f"bm25:{bad}"], "bad.jsonl, line 2: not JSON"))
     for argv, says in cases:
@@ -388,6 +388,10 @@ def test_a_users_mistakes_at_start_up_get_one_line_and_leave_no_folder(tmp_path,
         assert says in message and "\n" not in message and time.time() - t0 < 20, (argv, message)
         assert e.value.code != 0 and not (tmp_path / "run").exists(), argv
         capsys.readouterr()
+    adapters = tmp_path / "adapters"  # LoRA adapters over their base (agents.load_agent) are a model's folder too
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text("{}")
+    assert mgrpo.parse_args(["--main-model", str(adapters)]).main_model == str(adapters)
 
 
 def test_success_rises(cold_start_dir, tmp_path):

@@ -208,6 +208,19 @@ def adamw(model, lr, weight_decay):
                              weight_decay=weight_decay)
 
 
+def optimizer_state(opt):
+    """A copy of the optimizer's per-weight state (AdamW: step, moments), for restore_state."""
+    return {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()}
+
+
+def restore_state(opt, state):
+    for p in list(opt.state):
+        if p in state:
+            opt.state[p] = state[p]
+        else:  # no state before: the step was the first
+            del opt.state[p]
+
+
 @contextlib.contextmanager
 def quiet_peft():
     """peft reads a transformers attribute deprecated in 5.x: its FutureWarning is not the user's."""
@@ -288,7 +301,7 @@ def template_ids(agent, key, render, content):
         head, _, tail = ra.partition(a)
         agent.splits[agent.tok.chat_template, key] = (head, tail) if a in ra and rb == head + b + tail else None
     split = agent.splits[agent.tok.chat_template, key]
-    marks = marks_in(agent.tok, content)
+    marks = marks_in(agent, content)
     if marks and not (split and pieces_ok(agent)):  # the spellings broken by an invisible joiner instead
         content, marks = joined(content, marks), []
     text = split[0] + content + split[1] if split else render(content)
@@ -301,13 +314,16 @@ FORMAT_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
                "<think>", "</think>")
 
 
-def marks_in(tok, text, tags=True):
+def marks_in(agent, text, tags=True):
     """The spellings, in outside `text`, of the tokenizer's special tokens ('<|im_end|>', '<eos>') and (tags) of
     the format's tags where they are added tokens ('<tool_call>'): the tokenizer would read each as its token,
-    and a passage could end the turn and write the model's next one."""
-    added = tok.added_tokens_decoder.values()
-    structural = {t.content for t in added if t.special} | {t.content for t in added if tags and t.content in FORMAT_TAGS}
-    return [m for m in structural if m and m in text]
+    and a passage could end the turn and write the model's next one. The spellings are found once per
+    tokenizer (a tool result's ids are made at every turn)."""
+    key = (agent.tok.chat_template, "marks", tags)
+    if key not in agent.splits:
+        added = agent.tok.added_tokens_decoder.values()
+        agent.splits[key] = [t.content for t in added if t.content and (t.special or tags and t.content in FORMAT_TAGS)]
+    return [m for m in agent.splits[key] if m in text]
 
 
 def joined(text, marks):
@@ -329,7 +345,7 @@ def pieces_ok(agent):
 def outside_ids(agent, text, tags=True):
     """Ids of `text` whose spellings of structural tokens (marks_in) enter as text; tags=False: the format's own
     tags stay tokens (an assistant turn that the model writes, as a cold-start demo shows it)."""
-    marks = marks_in(agent.tok, text, tags)
+    marks = marks_in(agent, text, tags)
     if marks and pieces_ok(agent):
         return plain_ids(agent.tok, text, 0, len(text), marks)
     return agent.tok(joined(text, marks) if marks else text, add_special_tokens=False).input_ids

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 import run
-from agents import Traj, load_agent, message_ids, new_traj
+from agents import Traj, load_agent, message_ids, new_traj, optimizer_state, restore_state
 from checkpoints import own_out, resume_or_start
 from cold_start import ColdStart, before_rl, parse_cold_start
 from report import Log, UpdateLog, agent_record, answer_f1, report, skipped_in_a_row, step_record
@@ -472,19 +472,6 @@ def k3_kl(old, new, mask):
     (ratio - 1) - log ratio, ratio = new / old, which is never negative, unlike the mean of old - new."""
     log_ratio = (new - old) * mask
     return float(((log_ratio.exp() - 1 - log_ratio) * mask).sum() / mask.sum().clamp(min=1))
-
-
-def optimizer_state(opt):
-    """A copy of the optimizer's per-weight state (AdamW: step, moments), for restore_state."""
-    return {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()}
-
-
-def restore_state(opt, state):
-    for p in list(opt.state):
-        if p in state:
-            opt.state[p] = state[p]
-        else:  # no state before: the step was the first
-            del opt.state[p]
 
 
 # =========================================================================================

@@ -145,7 +145,7 @@ def use_bf16(dtype, model, device):
 def load_agent(name, args, task, seed=0, lr=None):
     """A model by Hugging Face name or path ("smollm2": SmolLM2-135M-Instruct, smollm2.py), or (name
     empty) a tiny one built in code from `seed`, with
-    its tokenizer, its own AdamW (lr: default args.lr), and what sampling needs to know of its tokens.
+    its tokenizer, its own AdamW (lr: default M's --lr), and what sampling needs to know of its tokens.
     args: the run's settings it reads (chat, model_size, cold_start, device, dtype, lr, weight_decay,
     max_new_tokens, grad_checkpointing); task: the task, whose words and prompts it uses. On a GPU it
     decodes with CUDA graphs (sampling.generate falls back to eager decoding if they fail)."""
@@ -170,7 +170,7 @@ def load_agent(name, args, task, seed=0, lr=None):
     eos = model.generation_config.eos_token_id
     stop = {tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     chat = tok.chat_template != WORD_TEMPLATE
-    opt = adamw(model, lr or args.lr, args.weight_decay)
+    opt = adamw(model, lr or args.lr[0], args.weight_decay)
     return Agent(model, tok, opt, peft=peft, stop_ids=tuple(sorted(stop)),
                  suppress=tuple(sorted({tok.pad_token_id, tok.unk_token_id} - stop - {None})),
                  pad_id=tok.pad_token_id if tok.pad_token_id is not None else min(stop),

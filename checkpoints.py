@@ -178,7 +178,7 @@ def load_reference(out, agents, device):
 # what a --resume must agree on with the run it continues: its agents, its task, its schedule (steps
 # may grow: positions up to the old end keep their phases) and its cold start but for its check (a resume
 # without one takes the rounds done as the cold start)
-SAME_RUN = ("mode", "role", "task", "seed", "level", "train_levels", "questions_per_step", "group_size",
+SAME_RUN = ("mode", "role", "task", "seed", "level", "questions_per_step", "group_size",
             "max_sub", "w_sub", "main_model", "sub_model", "model_size", "chat", "eval_every", "kl_coef",
             "lora_rank", "cold_start")
 
@@ -192,10 +192,11 @@ def identity(settings):
 
 
 @contextlib.contextmanager
-def own_out(args, out):
+def own_out(args, out, made=False):
     """This process's hold on the output folder for the whole run: a lock that keeps a second run off
     it, and the checks that must pass before anything in it or in the store is touched: a --resume
-    with the run's own settings; a fresh start only where no run is, or with --overwrite."""
+    with the run's own settings; a fresh start only where no run is, or with --overwrite. A folder this
+    run `made` goes again if the run fails before it wrote anything there (a model that cannot load)."""
     try:
         fd = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:  # a symlink or a folder planted there
@@ -211,6 +212,11 @@ def own_out(args, out):
             raise SystemExit(f"error: {out} holds a run: continue it with --resume, or start afresh over it "
                              "with --overwrite (its checkpoints go), or pick another --out")
         yield
+    except BaseException:
+        if made and os.listdir(out) == [".lock"]:
+            os.remove(os.path.join(out, ".lock"))
+            os.rmdir(out)
+        raise
     finally:
         os.close(fd)
 
@@ -275,11 +281,17 @@ def resume(args, out, load):
 
 
 def start_afresh(args, out, load):
-    """New agents (seeds args.seed and args.seed + 1; S at --lr-sub if set), in a folder cleared of any
+    """New agents (seeds args.seed and args.seed + 1; S at its --lr), in a folder cleared of any
     earlier run: (agents, 0, 0, 0), as resume's."""
-    given = {"main": args.main_model, "sub": args.sub_model}
-    agents = {n: load(given[n], seed=args.seed + (n == "sub"), lr=args.lr_sub if n == "sub" else None)
-              for n in agent_names(args)}
+    given, agents = {"main": args.main_model, "sub": args.sub_model}, {}
+    for n in agent_names(args):
+        try:
+            agents[n] = load(given[n], seed=args.seed + (n == "sub"), lr=args.lr[-1] if n == "sub" else args.lr[0])
+        except (OSError, ValueError) as e:  # a model given that is none (a folder without its files, say)
+            if not given[n]:
+                raise
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise SystemExit(f"error: --{n}-model {given[n]} cannot be loaded: {why}") from None
     clear_run(out)  # first: a kill from here on leaves no earlier run's checkpoints under new settings
     open(os.path.join(out, "metrics.jsonl"), "w").close()
     write_atomically(os.path.join(out, "args.json"), json.dumps(dataclasses.asdict(args), indent=1))

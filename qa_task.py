@@ -3,7 +3,9 @@
     python mgrpo.py --chat --task qa:questions.jsonl --search bm25:corpus.jsonl [--judge URL]
 
 The question file holds one JSON object a line: {"question": str, "answers": [str, ...]}, with an optional
-"id" (a string or an integer) and "split" ("train" or "test"); other keys are ignored. A line without a
+"id" (a string or an integer), "split" ("train" or "test") and "question_decomposition", the question's
+hops in MuSiQue's shape: [{"question": str, "answer": str}, ...], where "#1" in a later hop stands for the
+first hop's answer; other keys are ignored. A line without a
 split is held out by a hash of its question: one in TEST_SHARE goes to the test split, the same ones on
 every machine. Training questions come from the train split alone, evaluations' from the test split
 alone (question seeds at or above tools.EVAL_SEED), in the file's order, from the first again
@@ -17,7 +19,9 @@ with its file and line number. docs/own-questions.md: HotpotQA and Wikipedia in 
     r_expert (eq. 5)   without --judge: S's answer, normalized, is found whole in a passage S read
     demos              M delegates the question and answers with what S returns; S (and the single agent)
                        searches the question and answers with the words of a result that holds a gold
-                       answer, quoted first. Train questions only, searched with the run's search tool
+                       answer, quoted first. A question with hops: M delegates each hop in turn, the
+                       answers before it filled in, then answers; S's demos are hops. Train questions
+                       only, searched with the run's search tool
 
 Open questions need the chat path, --chat (tiny chat models built here) or instruct models: the
 word-level models built here read only a task's WORDS, and this task has none (run.py says so).
@@ -33,6 +37,7 @@ from tools import (CHECK_SEED, EVAL_SEED, SearchError, action_text, clean_text, 
 TEST_SHARE = 10      # a file without splits: 1 question in 10 (by a hash of its text) is held out
 MAX_LINE = 100_000   # bytes of one line of the question file (an answer may come with many aliases)
 MAX_QUESTION = 2000  # characters of one question
+MAX_HOPS = 8         # hops of one question_decomposition
 N_TRIES = 4          # a demo of S tries up to this many train questions for one whose search finds an answer
 QUOTE_WORDS = 8      # a demo's quote: the answer and this many words of the passage on each side
 
@@ -63,13 +68,14 @@ class Question:
     text: str     # what M reads
     answers: list  # the gold answers
     id: object = None
+    hops: tuple = ()  # ((sub-question, its answer), ...): the question's decomposition, "#k" for hop k's answer
 
 
 # ---------------------------------------------------------------------------------------
 # The question file
 # ---------------------------------------------------------------------------------------
 def question_line(obj, where):
-    """(question, answers, id, split or None) of one line's object, or a ValueError that names the line."""
+    """(question, answers, id, hops, split or None) of one line's object, or a ValueError that names the line."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: not a JSON object")
     q, answers, qid, split = obj.get("question"), obj.get("answers"), obj.get("id"), obj.get("split")
@@ -82,19 +88,41 @@ def question_line(obj, where):
         raise ValueError(f"{where}: 'id' must be a string or an integer")
     if split not in (None, "train", "test"):
         raise ValueError(f"{where}: 'split' must be \"train\" or \"test\", not {str(split)[:40]!r}")
-    return " ".join(clean_text(q).split()), [" ".join(clean_text(a).split()) for a in answers], qid, split
+    tidy = lambda s: " ".join(clean_text(s).split())  # noqa: E731
+    return tidy(q), [tidy(a) for a in answers], qid, hops_of(obj.get("question_decomposition"), where), split
+
+
+def hops_of(hops, where):
+    """((sub-question, answer), ...) of a question_decomposition (MuSiQue's shape; its other keys ignored),
+    () without one, or a ValueError that names the line."""
+    if hops is None:
+        return ()
+    if not (isinstance(hops, list) and 0 < len(hops) <= MAX_HOPS and all(
+            isinstance(h, dict) and isinstance(h.get("question"), str) and 0 < len(h["question"].strip())
+            and len(h["question"]) <= MAX_QUESTION and isinstance(h.get("answer"), str)
+            and normalize(clean_text(h["answer"])) for h in hops)):
+        raise ValueError(f"{where}: 'question_decomposition' must be a list of 1 to {MAX_HOPS} objects, each "
+                         f"a \"question\" of 1 to {MAX_QUESTION} characters and an \"answer\" with a word in it")
+    return tuple((" ".join(clean_text(h["question"]).split()), " ".join(clean_text(h["answer"]).split()))
+                 for h in hops)
+
+
+def filled(question, answers):
+    """A hop's question with "#k" replaced by hop k's answer, for the hops answered so far."""
+    return re.sub(r"#(\d{1,3})(?!\d)", lambda m: answers[int(m.group(1)) - 1] if 0 < int(m.group(1)) <= len(answers)
+                  else m.group(0), question)
 
 
 def read_questions(path):
-    """(train, test) of a question file, each a list of (question, answers, id); a ValueError that names
-    the file (and the line) if it is malformed or leaves a split empty."""
+    """(train, test) of a question file, each a list of (question, answers, id, hops); a ValueError that
+    names the file (and the line) if it is malformed or leaves a split empty."""
     rows = [question_line(obj, where) for _, where, obj in json_lines(path, MAX_LINE)]
     if not rows:
         raise ValueError(f"{path}: no questions (one JSON object a line: question, answers, optional id, split)")
     hashed = lambda q: "test" if stable_seed("qa-split", normalize(q)) % TEST_SHARE == 0 else "train"  # noqa: E731
-    test = [(q, a, i) for q, a, i, split in rows if (split or hashed(q)) == "test"]
-    held = {normalize(q) for q, _, _ in test}
-    train = [(q, a, i) for q, a, i, split in rows if (split or hashed(q)) == "train" and normalize(q) not in held]
+    test = [row[:4] for row in rows if (row[4] or hashed(row[0])) == "test"]
+    held = {normalize(q) for q, *_ in test}
+    train = [row[:4] for row in rows if (row[4] or hashed(row[0])) == "train" and normalize(row[0]) not in held]
     if not test:
         raise ValueError(f"{path}: no test questions: mark some \"split\": \"test\" (without splits 1 question "
                          f"in {TEST_SHARE} is held out, by a hash of its text)")
@@ -157,8 +185,7 @@ class QaTask:
             raise ValueError(f"a question file has one level, 1; got {level!r}")
         pool, i = ((self.train, seed - CHECK_SEED) if seed >= CHECK_SEED else (self.test, seed - EVAL_SEED)
                    if seed >= EVAL_SEED else (self.train, seed))
-        text, answers, qid = pool[i % len(pool)]
-        return Question(seed, level, text, answers, qid)
+        return Question(seed, level, *pool[i % len(pool)])
 
     def answer_correct(self, q, answer):
         a = normalize(answer or "")
@@ -190,17 +217,22 @@ class QaTask:
 
     def demo(self, q, rng, p, kind, chat=False):
         """A scripted conversation of agent `kind` for the cold start, from train questions only. M delegates
-        the question and answers with S's return, the gold answer (a perfect S); S and the single agent
-        search the question and answer with a result's words that hold a gold answer, quoted first. With
-        probability p the answer is another question's (noise, as the toy task's demos have)."""
+        the question, or each of its hops in turn with the answers before filled in, and answers with S's
+        last return, the gold answer (a perfect S); S and the single agent search the question (S: one of
+        its hops, as M would delegate it) and answer with a result's words that hold a gold answer, quoted
+        first. With probability p the answer is another question's (noise, as the toy task's demos have)."""
         if q.seed >= EVAL_SEED:
             raise ValueError("demos are made from train questions only")
+        hops = q.hops or ((q.text, q.answers[0]),)
         if kind == "main":
-            return [{"role": "user", "content": q.text},
-                    {"role": "assistant", "content": action_text("call", q.text, chat)},
-                    {"role": "tool", "content": q.answers[0]},
-                    {"role": "assistant", "content": action_text("answer", self.noisy(rng, q.answers[0], p), chat)}]
-        q, results, found = self.findable(q, rng)
+            turns, answers = [{"role": "user", "content": q.text}], []
+            for sub_q, answer in hops:
+                turns += [{"role": "assistant", "content": action_text("call", filled(sub_q, answers), chat)},
+                          {"role": "tool", "content": answer}]
+                answers.append(answer)
+            return turns + [{"role": "assistant", "content": action_text("answer", self.noisy(rng, q.answers[0], p),
+                                                                         chat)}]
+        q, results, found = self.findable(q, rng, hop=kind == "sub")
         thought, answer = (f"<think> {found[0]} </think>\n", found[1]) if found else ("", q.answers[0])
         final = action_text("return" if kind == "sub" else "answer", self.noisy(rng, answer, p), chat)
         return [{"role": "user", "content": q.text},
@@ -208,14 +240,19 @@ class QaTask:
                 {"role": "tool", "content": search_observation(results, chat)},
                 {"role": "assistant", "content": thought + final}]
 
-    def findable(self, q, rng):
+    def findable(self, q, rng, hop=False):
         """(a train question, its search results, (quote, answer) or None): q, or if its search finds no gold
-        answer, the first of up to N_TRIES other train questions' whose search does (else the last tried)."""
+        answer, the first of up to N_TRIES other train questions' whose search does (else the last tried);
+        with `hop`, one of the question's hops (if it has them) as M delegates it, the answers before it
+        filled in."""
         if self.search is None:
             raise RuntimeError("the qa task's demos search: the run hands it its search tool first (use_search)")
         for attempt in range(N_TRIES):
             if attempt:
                 q = self.make_question(rng.randrange(2 ** 31), 1)
+            if hop and q.hops:
+                k = rng.randrange(len(q.hops))
+                q = Question(q.seed, q.level, filled(q.hops[k][0], [a for _, a in q.hops[:k]]), [q.hops[k][1]])
             try:
                 results = self.search.search(q.text, q.seed, q.level)
             except SearchError:

@@ -15,7 +15,7 @@ import torch
 from checkpoints import save_checkpoint
 
 
-SAVE_RATIO = 20  # --save-every 0: the work a checkpoint may wait for, in times what saving it costs
+SAVE_RATIO = 20  # the work a checkpoint may wait for, in times what saving it costs
 
 
 class Log:
@@ -47,7 +47,7 @@ class Log:
             for key in rec.get("alarm", []):
                 if self.streaks[key] == ALARM_STEPS:  # the full message once; the progress line each step
                     print(alarm_message(key, rec), flush=True)
-        if self.checkpoint_due(idx, kind, step):
+        if self.checkpoint_due(idx):
             t0 = time.perf_counter()
             save_checkpoint(self.out, self.agents, idx + 1, self.lines)
             self.saved_at, self.save_cost = time.perf_counter(), time.perf_counter() - t0
@@ -59,15 +59,13 @@ class Log:
         if self.store:  # the next phase's store time counts from here
             self.io_mark = self.store.io_time
 
-    def checkpoint_due(self, idx, kind, step):
-        """After the last phase; with --save-every N (or two roles, whose checkpoints keep in step) every N
-        steps and after each evaluation; with 0, once the phases since the last checkpoint took SAVE_RATIO
-        times as long as saving it did (so that saving costs a few percent of the run: a checkpoint of two
-        135M-parameter agents with their AdamW states is 3 GB)."""
-        if idx == self.n_phases - 1:
+    def checkpoint_due(self, idx):
+        """After the last phase; with two roles, whose checkpoints keep in step, after every phase; else once
+        the phases since the last checkpoint took SAVE_RATIO times as long as saving it did (so that saving
+        costs a few percent of the run: a checkpoint of two 135M-parameter agents with their AdamW states is
+        3 GB)."""
+        if idx == self.n_phases - 1 or self.store:
             return True
-        if self.args.save_every or self.store:
-            return kind == "eval" or step % (self.args.save_every or 1) == 0
         return time.perf_counter() - self.saved_at >= SAVE_RATIO * self.save_cost
 
     def read_rows(self):

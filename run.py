@@ -33,7 +33,7 @@ from tools import VISIT_CHARS, HttpSearch, SearchError
 MODES = ("co-train", "unsync", "main-only", "single-agent")
 # what the two roles of a decoupled run must agree on; the sub role checks it against the main role's
 SHARED_ARGS = ("seed", "steps", "mode", "task", "questions_per_step", "group_size", "max_sub", "level",
-               "train_levels", "eval_every", "eval_questions", "w_sub")
+               "eval_every", "eval_questions", "w_sub")
 
 
 # ---------------------------------------------------------------------------------------
@@ -117,16 +117,15 @@ def problems(a):
         (a.dtype not in ("auto", "float32", "bfloat16"), "--dtype must be auto, float32 or bfloat16"),
         (min(a.kl_coef, a.weight_decay, a.max_kl, *a.clip_eps) < 0,
          "--kl-coef, --weight-decay, --max-kl and --clip-eps must be >= 0"),
-        (not (a.lr > 0 and a.lr_sub >= 0), "--lr must be > 0 and --lr-sub >= 0"),
+        (not (0 < len(a.lr) <= 2 and min(a.lr) > 0), "--lr takes one rate > 0, or two: M's and S's"),
         (min(a.questions_per_step, a.ppo_epochs) < 1 or a.eval_questions == 0,
          "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
-        (min(a.train_levels, default=1) < 1, "--train-levels must be levels, >= 1"),
-        (a.main_max_turns < 2 or a.sub_max_turns < 2, "--main-max-turns and --sub-max-turns must be >= 2"),
+        (min(a.level) < 1, "--level must be levels, >= 1"),
+        (min(a.max_turns) < 2, "--max-turns must be >= 2, M's and S's"),
         (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
         (a.resume and not a.out, "--resume needs the --out of the run to continue"),
         (a.resume and a.overwrite, "--resume continues a run, --overwrite starts afresh over it: one of them"),
-        (a.save_every < 0, "--save-every must be >= 0"),
         (a.report_to not in ("", "tensorboard", "wandb"), "--report-to must be tensorboard or wandb"),
         (a.lora_rank < 0, "--lora-rank must be >= 0"),
         (a.judge and not re.match(r"https?://", a.judge), "--judge must be an http(s) URL"),
@@ -151,10 +150,10 @@ def task_problems(a):
         return [f"--task {a.task} has open questions, which the word-level models built here cannot read: add "
                 "--chat (chat models built here) or give --main-model and --sub-model (instruct models)"]
     try:
-        for level in {a.level, *a.train_levels, *a.cold_start.levels}:
+        for level in {*a.level, *a.cold_start.levels}:
             task.make_question(0, level)
     except (AttributeError, ValueError) as e:
-        return [f"--level / --train-levels / the cold start's levels: {e}"]
+        return [f"--level / the cold start's levels: {e}"]
     return []
 
 
@@ -218,7 +217,8 @@ def agent_kinds(args):
 # Before the first phase
 # ---------------------------------------------------------------------------------------
 def start(args):
-    """Seeds, threads and the output folder; a run started by experiments/compare.py ends with it."""
+    """Seeds, threads and the output folder (its path, and whether this made it); a run started by
+    experiments/compare.py ends with it."""
     parent = os.environ.pop("MGRPO_PARENT_PID", "")
     if re.fullmatch(r"[1-9][0-9]*", parent):
         exit_with_parent(int(parent))
@@ -230,8 +230,9 @@ def start(args):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # the two roles share the cores
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-seed{args.seed}"
                                    + ("" if args.role == "both" else "-" + args.role))
+    made = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
-    return out
+    return out, made
 
 
 def exit_with_parent(parent):
@@ -264,7 +265,7 @@ def search_tool(args, task):
         task.use_search(search)
     if args.mode == "single-agent" or "sub" in agent_names(args):
         try:
-            search.search("ada", 0, args.level)
+            search.search("ada", 0, args.level[0])
         except SearchError as e:
             raise SearchError(f"{e}; {start}") from None
     return search
@@ -341,7 +342,7 @@ def print_plan(args, agents, out, t_load=None):
     sizes = ", ".join(f"{n} {sum(p.numel() for p in a.model.parameters()) / 1e6:.2f}M params"
                       for n, a in agents.items())
     print(f"M-GRPO | role {args.role} | {sizes} | {args.mode} K={args.group_size} D={args.max_sub} "
-          f"level={args.level} device={args.device} | out: {out}"
+          f"level={' '.join(map(str, args.level))} device={args.device} | out: {out}"
           + (f" | models loaded in {t_load:.1f}s" if t_load is not None else ""), flush=True)
     print("precision: " + dtype_line(args, agents), flush=True)
     task = load_task(args.task)
@@ -353,19 +354,19 @@ def print_plan(args, agents, out, t_load=None):
         # tokens per tool result: S's answer in M's context; a search's results or a visited page, whose
         # text the http tool cuts to VISIT_CHARS (the toy task's in-process results are a dozen short lines)
         obs = 30 if kind == "main" else (VISIT_CHARS // 3 if args.search != "toy" else 200) if a.chat else 60
-        turns = args.sub_max_turns if kind == "sub" else args.main_max_turns
+        turns = args.max_turns[kind == "sub"]
         longest = len(prompt_ids(a, kind, "x" * 40)) + turns * (a.max_new + obs)
         longest = min(longest, a.max_context or longest)
         rows = args.questions_per_step * args.group_size * (args.max_sub if kind == "sub" else 1)
         static, act, mb, T = memory_estimate(a, longest, rows, args.micro_batch, args.grad_checkpointing,
                                              args.kl_coef > 0, sampled=turns * a.max_new, lora=args.lora_rank)
         total += static + act
-        print(f"memory estimate, {n}: {static + act:.2f} GiB = {static:.2f} weights, grads, AdamW"
+        print(f"memory estimate, {n}: at most {static + act:.2f} GiB = {static:.2f} weights, grads, AdamW"
               + (" (a frozen base, LoRA adapters)" if args.lora_rank else "")
               + (", reference" if args.kl_coef and not args.lora_rank else "") + f" + {act:.2f} one micro-batch "
-              f"({mb} x up to {T} tokens; --micro-batch and --grad-checkpointing lower it)", flush=True)
+              f"({mb} x {T} tokens, each context at its longest; --micro-batch and --grad-checkpointing lower it)", flush=True)
     room = device_gib(args.device)
-    print(f"memory estimate of this process: {total:.2f} GiB of the {room:.1f} GiB that {args.device} has: "
+    print(f"memory estimate of this process: at most {total:.2f} GiB of the {room:.1f} GiB that {args.device} has: "
           + ("fits" if total <= 0.9 * room else "may not fit (a bound: every context of a batch at its longest)"),
           flush=True)
     given = {"main": args.main_model, "sub": args.sub_model}

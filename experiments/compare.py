@@ -76,7 +76,7 @@ ARMS = {"co-train": ["--mode", "co-train"],
 # per token on their own batch, against a median of 0.001): --max-kl 0.05 halves such a step until it moved less
 # (experiments/stage2-probes.md); the paper has no such bound either
 RL_GUARD = ["--grad-clip", "0.1", "--kl-coef", "0.04", "--max-kl", "0.05"]
-SINGLE = ["--level", "3", "--max-sub", "4", "--main-max-turns", "5", *RL_GUARD]  # 'single' and 'single-budget'
+SINGLE = ["--level", "3", "--max-sub", "4", "--max-turns", "5", "3", *RL_GUARD]  # 'single' and 'single-budget'
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *RL_GUARD], {"levels": [1, 2, 2]}),
     # S at M's learning rate: at 1e-3 it drifted from stage 1 and sync co-training fell below its start;
@@ -415,9 +415,10 @@ def plan_runs(a, out):
     stage1, stage2_plan, plan = {}, {}, {}
     s1_prefix = "stage1-levels" + "".join(map(str, a.cold["system"]["levels"]))  # shared across experiments
     stage2 = EXPERIMENTS[a.experiment][1]  # D and M's turns as in stage 2: stage 1 meets its hardest questions
-    shape = [x for key in ("--max-sub", "--main-max-turns") if key in stage2 for x in (key, stage2[stage2.index(key) + 1])]
+    shape = [x for key, n in (("--max-sub", 1), ("--max-turns", 2)) if key in stage2
+             for x in stage2[stage2.index(key):stage2.index(key) + 1 + n]]
     for s1 in a.stage1_seeds:
-        base = ["--level", "1", "--train-levels", *map(str, a.stage1_levels), *shape, "--model-size", a.model_size,
+        base = ["--level", *map(str, a.stage1_levels), *shape, "--model-size", a.model_size,
                 "--steps", str(a.stage1_steps),
                 "--eval-every", "0", "--seed", str(s1), *(RL_GUARD if a.stage1_steps else []), *common]
         if any(arm != "single-agent" for arm in a.arms):

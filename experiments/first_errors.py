@@ -10,9 +10,9 @@ before), then whether its answer is right. Sampled at temperature 1 as in evalua
 with the tokens each agent sampled per question (each one a chance to go wrong at temperature 1).
 It probes the toy task only; experiments/single.md uses it on the single experiment's runs:
 
-    python -m experiments.first_errors --level 3 --max-sub 4 --main-max-turns 5 \\
+    python -m experiments.first_errors --level 3 --max-sub 4 --max-turns 5 3 \\
         --main-model <run>/main --sub-model <run>/sub
-    python -m experiments.first_errors --mode single-agent --level 3 --max-sub 4 --main-max-turns 5 \\
+    python -m experiments.first_errors --mode single-agent --level 3 --max-sub 4 --max-turns 5 3 \\
         --main-model <run>/main
 """
 import collections
@@ -66,7 +66,7 @@ def trained_agents(args, script):
 def main(argv=None):
     args = mgrpo.parse_args(argv)
     agent, search, delegate = trained_agents(args, "first_errors.py")
-    qs, tasks = sub_tasks(args.level, args.eval_questions)  # the questions of mgrpo.evaluate, in its order
+    qs, tasks = sub_tasks(args.level[0], args.eval_questions)  # the questions of mgrpo.evaluate, in its order
     for greedy in (False, True):
         chains = zip(*tasks.values())  # per question, its sub-task per hop
         kinds, tokens = collections.Counter(), [0, 0]  # tokens sampled by M (or the single agent), by S

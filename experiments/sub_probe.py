@@ -94,7 +94,7 @@ def single_agent_misses(agent, args, n=200):
         qs, tasks = sub_tasks(level, n)
         trajs = [new_traj(agent, "single", q.text) for q in qs]
         act = tool_calls(toy_tools.ToySearch(), qs, agent.chat)
-        trajs = mgrpo.agent_loop(agent, "single", trajs, act, args.main_max_turns, 0, True)
+        trajs = mgrpo.agent_loop(agent, "single", trajs, act, args.max_turns[0], 0, True)
         seen, places = {}, {}
         for j, (t, q) in enumerate(zip(trajs, qs)):
             chain = [hop[j].split()[-1] for hop in tasks.values()]  # "city of bo": search "bo"
@@ -223,7 +223,7 @@ def main(argv=None):
     reads_by_distance(agents["sub"], "sub")
     print("main agent with a perfect sub-agent, success greedy / sampled:")
     for level in sorted(toy_tools.N_SNIPPETS):
-        args.level, args.eval_questions = level, 200
+        args.level, args.eval_questions = (level,), 200
         acc = [mgrpo.evaluate(agents["main"], args, toy_tools, perfect_sub_agent, None, greedy)
                for greedy in (True, False)]
         print(f"  level {level}: {acc[0]:.2f} / {acc[1]:.2f}", flush=True)

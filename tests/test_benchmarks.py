@@ -22,6 +22,7 @@ def test_bench_script_runs():
     assert "0.1M" in r.stdout.splitlines()[-1]
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast tier
 def test_bench_generate_script_runs(tmp_path):
     """The replay benchmark records a step and replays it with each sampler: every rate is shown against the
     raw decode loop's; mgrpo's samplers never prefill fewer tokens than the floor it prints, and the parts
@@ -39,6 +40,7 @@ def test_bench_generate_script_runs(tmp_path):
     assert set(parts) == {"mgrpo", "mgrpo-before"} and all(min(v) >= 0 for v in parts.values())
 
 
+@pytest.mark.slow  # tens of seconds: out of the fast tier
 def test_bench_scoring_script_runs():
     """The scoring benchmark's rows: each agent kind, its prompt shared by every row, two timings."""
     r = bench("bench_scoring", "--model-size", "0.1M", "--batches", "3", "--repeat", "1")

@@ -215,7 +215,7 @@ def test_chat_tool_loop_searches_visits_and_answers_over_http(chat_dir, monkeypa
     srv = toy_server.make_server(0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
-    args = mgrpo.parse_args(["--sub-max-turns", "4"])
+    args = mgrpo.parse_args(["--max-turns", "4", "4"])
     agent = helpers.load_agent(chat_dir["sub"], args, seed=0)
     q = toy_tools.make_question(5, 1)
     search = tools.HttpSearch(url, retries=0)

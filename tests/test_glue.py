@@ -46,7 +46,7 @@ TUTORIAL = Plan({0: [("answer", wrong)],
 
 @pytest.fixture(scope="module")
 def agents():
-    args = mgrpo.parse_args(["--cold-start", "0", "--group-size", str(K), "--max-sub", str(D), "--main-max-turns", "6",
+    args = mgrpo.parse_args(["--cold-start", "0", "--group-size", str(K), "--max-sub", str(D), "--max-turns", "6", "3",
                              "--questions-per-step", "1"])
     return args, helpers.load_agent("", args, seed=1), helpers.load_agent("", args, seed=2)
 
@@ -243,7 +243,7 @@ def test_single_agent_has_no_sub_agent(tmp_path):
     assert len(steps) == 2 and all(r["sub_calls"] == 0 and "sub_reward" not in r for r in steps)
 
 
-def test_train_levels_mix_the_training_questions_and_evaluations_keep_level(tmp_path, monkeypatch):
+def test_levels_mix_the_training_questions_and_evaluations_keep_the_first(tmp_path, monkeypatch):
     made, real = [], toy_tools.make_question
 
     def spy(seed, level):
@@ -251,7 +251,7 @@ def test_train_levels_mix_the_training_questions_and_evaluations_keep_level(tmp_
             made.append((seed >= mgrpo.EVAL_SEED, level))
         return real(seed, level)
     monkeypatch.setattr(toy_tools, "make_question", spy)
-    mgrpo.main(["--train-levels", "1", "2", "2", "--level", "1", "--cold-start", "0", "--steps", "2", "--questions-per-step",
+    mgrpo.main(["--level", "1", "2", "2", "--cold-start", "0", "--steps", "2", "--questions-per-step",
                 "6", "--group-size", "2", "--eval-questions", "3", "--eval-every", "0", "--model-size", "0.1M",
                 "--out", str(tmp_path)])
     assert [level for held_out, level in made if not held_out] == [1, 2, 2, 1, 2, 2] * 2  # in turn, per step
@@ -293,7 +293,7 @@ def test_a_context_budget_ends_the_single_agents_long_search_while_M_and_S_fit(a
     reads S's one-word answers, and S, which reads one list, finish within the same budget."""
     args, main, sub = copy.deepcopy(agents[0]), *agents[1:]
     q = toy_tools.make_question(5, 3)
-    args.level, args.main_max_turns = 3, 6
+    args.level, args.max_turns = (3,), (6, 3)
     search = toy_tools.ToySearch()
     hops = [("search", "ada")] * 4 + [("answer", lambda t: q.answer)]
     monkeypatch.setattr(mgrpo, "generate", forced(Plan({k: hops for k in range(K)})))

@@ -34,7 +34,7 @@ def scripted(strings, sampled):
 @pytest.mark.slow
 @pytest.mark.parametrize("chat", [False, True])
 def test_fuzzed_turns_through_the_tool_loop_and_a_training_step(chat, monkeypatch):
-    args = mgrpo.parse_args(["--cold-start", "0", "--main-max-turns", "4", "--sub-max-turns", "4",
+    args = mgrpo.parse_args(["--cold-start", "0", "--max-turns", "4", "4",
                              "--max-new-tokens", "64", "--questions-per-step", "4", "--group-size", "4"]
                             + (["--chat", "--model-size", "0.1M"] if chat else []))
     sub = helpers.load_agent("", args, seed=0)

@@ -554,7 +554,12 @@ def test_fuzz_the_real_data_parsers_with_hostile_strings():
 
     for n, s in enumerate(strings):
         check("question_line", lambda: qa_task.question_line({"question": s, "answers": [s, "x"], "id": s}, "f.jsonl, line 3"),
-              lambda v: len(v) == 4 and all(qa_task.normalize(a) for a in v[1]), (ValueError,))
+              lambda v: len(v) == 5 and all(qa_task.normalize(a) for a in v[1]), (ValueError,))
+        hops = [{"question": s, "answer": s}, {"question": "What of #1?", "answer": "x", "id": s}]
+        check("question_decomposition", lambda: qa_task.question_line({"question": "q?", "answers": ["x"],
+                                                                        "question_decomposition": hops}, "f.jsonl, line 3"),
+              lambda v: len(v[3]) == 2 and all(qa_task.normalize(a) for _, a in v[3]), (ValueError,))
+        check("filled hop", lambda: qa_task.filled(s, [s, "x"]), lambda v: isinstance(v, str))
         check("corpus line", lambda: retriever._passage({"id": s, "title": s, "contents": s}, "f.jsonl, line 3"),
               lambda v: len(v) == 3, (ValueError,))
         check("/retrieve reply", lambda: retriever._documents(s), lambda v: isinstance(v, list), (tools.SearchError,))

@@ -42,19 +42,17 @@ def test_a_fresh_start_over_a_run_needs_overwrite(tmp_path):
         mgrpo.parse_args(SHORT + ["--out", str(out), "--resume", "--overwrite"])
 
 
-@pytest.mark.parametrize("ratio,every,saved", [(1e9, 0, [1, 7]), (0.0, 0, [1, 2, 3, 4, 5, 6, 7]),
-                                                (1e9, 2, [1, 2, 4, 6, 7])])
-def test_checkpoints_cost_a_share_of_the_run_by_default_and_a_resume_goes_on_from_the_last(
-        tmp_path, monkeypatch, ratio, every, saved):
-    """--save-every 0 (the default) saves after the first phase, then once the phases since the last checkpoint
-    took report.SAVE_RATIO times as long as saving it (here: never again, or always), and after the last phase;
-    --save-every N every N steps and after each evaluation. A run cut off resumes from its last checkpoint."""
+@pytest.mark.parametrize("ratio,saved", [(1e9, [1, 7]), (0.0, [1, 2, 3, 4, 5, 6, 7])])
+def test_checkpoints_cost_a_share_of_the_run_and_a_resume_goes_on_from_the_last(tmp_path, monkeypatch, ratio, saved):
+    """A run saves after the first phase, then once the phases since the last checkpoint took
+    report.SAVE_RATIO times as long as saving it (here: never again, or always), and after the last
+    phase. A run cut off resumes from its last checkpoint."""
     import report
     monkeypatch.setattr(report, "SAVE_RATIO", ratio)
     positions, real = [], report.save_checkpoint
     monkeypatch.setattr(report, "save_checkpoint", lambda out, a, index, *r: positions.append(index) or real(out, a, index, *r))
     out = tmp_path / "run"
-    opts = SHORT + ["--steps", "3", "--eval-every", "0", "--save-every", str(every), "--out", str(out)]
+    opts = SHORT + ["--steps", "3", "--eval-every", "0", "--out", str(out)]
     mgrpo.main(opts)  # phases: 2 evaluations, 3 steps, 2 evaluations; a checkpoint counts the phases behind it
     assert positions == saved and len(checkpoints.checkpoints(str(out))) == checkpoints.KEEP
     real_step = mgrpo.train_step

@@ -47,7 +47,7 @@ def test_sub_probe_script_runs():
     for line in lines[i + 1:i + 4]:  # S's share of first searches for its sub-task's own entity
         assert 0 <= float(line.rsplit(": ", 1)[1].rstrip(")")) <= 1
     # the single agent: every one of the 200 questions per level is right, or sorted by its first wrong search
-    r = probe("--mode", "single-agent", "--cold-start", "2", "--main-max-turns", "5")
+    r = probe("--mode", "single-agent", "--cold-start", "2", "--max-turns", "5", "3")
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
     levels = [line for line in lines if line.startswith("  level ")]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -28,6 +29,7 @@ from agents import prompt_ids
 from scripted import forced
 from test_hostile_tools import answer, serving, trickle
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_bm25s = pytest.mark.skipif(importlib.util.find_spec("bm25s") is None, reason="needs bm25s: pip install bm25s")
 # (city, its country, its founder, its river): a passage on each city and one on each river
 WORLD = [("Zorvath", "Quelmar", "Ada Brill", "Tarnish"), ("Velkor", "Ostrava Mir", "Bo Kestrel", "Pellum"),
@@ -258,7 +260,7 @@ def test_splits_keep_training_and_evaluation_seeds_apart(qa_files):
         assert city(task.make_question(seed, 1)) not in tested
     for i in range(50):
         q = task.make_question(mgrpo.EVAL_SEED + i, 1)
-        assert city(q) in tested and (q.text, q.answers, q.id) == task.test[i % len(task.test)]
+        assert city(q) in tested and (q.text, q.answers, q.id, q.hops) == task.test[i % len(task.test)]
     assert {city(task.make_question(mgrpo.EVAL_SEED + i, 1)) for i in range(6)} == tested
     assert qa_task.EVAL_SEED == mgrpo.EVAL_SEED
 
@@ -269,7 +271,7 @@ def test_without_splits_one_in_ten_is_held_out_by_a_hash(tmp_path):
     (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))
     a, b = qa_task.QaTask(str(tmp_path / "a.jsonl")), qa_task.QaTask(str(tmp_path / "b.jsonl"))
     assert 10 <= len(a.test) <= 30 and len(a.train) + len(a.test) == 200
-    assert sorted(a.test) == sorted(b.test) and not {q for q, _, _ in a.test} & {q for q, _, _ in a.train}
+    assert sorted(a.test) == sorted(b.test) and not {q for q, *_ in a.test} & {q for q, *_ in a.train}
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,9 +327,9 @@ def test_a_gold_answer_that_cleaning_empties_is_refused_and_no_empty_answer_is_c
 def test_the_cold_starts_check_sees_no_test_question(task):
     """The check's question seeds (from tools.CHECK_SEED) give train questions only: the number of cold-start
     rounds is never chosen by test success."""
-    test = {q for q, _, _ in task.test}
+    test = {q for q, *_ in task.test}
     checked = [task.make_question(tools.CHECK_SEED + i, 1) for i in range(256)]
-    assert not {q.text for q in checked} & test and {q.text for q in checked} == {q for q, _, _ in task.train}
+    assert not {q.text for q in checked} & test and {q.text for q in checked} == {q for q, *_ in task.train}
     assert mgrpo.EVAL_SEED < tools.CHECK_SEED and task.make_question(mgrpo.EVAL_SEED, 1).text in test
 
 
@@ -346,7 +348,7 @@ def test_passage_text_takes_linear_time_on_urls_that_never_close():
 def test_no_evaluation_question_in_any_demo(task, monkeypatch):
     """The demos of a cold start and of the chat tokenizer's training, drawn as they are drawn, hold no
     test question nor its answer's passage quoted as a test answer; a test question is refused outright."""
-    test_texts = {q for q, _, _ in task.test}
+    test_texts = {q for q, *_ in task.test}
     demos, real = [], task.demo
     monkeypatch.setattr(task, "demo", lambda q, *a, **k: demos.append((q, real(q, *a, **k))) or demos[-1][1])
     args = mgrpo.parse_args(["--chat", "--model-size", "0.1M", "--cold-start", '{"steps": 2, "batch": 32}'])
@@ -360,7 +362,7 @@ def test_no_evaluation_question_in_any_demo(task, monkeypatch):
         assert q.seed < mgrpo.EVAL_SEED and q.text not in test_texts
         assert not any(t in m["content"] for m in msgs for t in test_texts)
         user = [m["content"] for m in msgs if m["role"] == "user"]
-        assert user and all(u in {t for t, _, _ in task.train} for u in user)
+        assert user and all(u in {t for t, *_ in task.train} for u in user)
     sub = [msgs for _, msgs in demos if '"search"' in msgs[1]["content"]]
     quoted = [msgs for msgs in sub if msgs[-1]["content"].startswith("<think> ")]
     assert len(quoted) > len(sub) * 0.9  # S's demos quote the passage that holds the answer
@@ -577,3 +579,84 @@ def test_a_judge_that_stalls_costs_a_step_one_round_of_deadlines():
         time.sleep(0.1)
         with_answers = client.scores([("t", "a", ["r"])])  # the next step asks again
     assert with_answers[1]["judge_failed"] == 1 and H.calls >= 2 + judge.THREADS
+
+
+def test_question_hops_are_optional_and_a_bad_decomposition_names_its_line(tmp_path):
+    """question_decomposition (MuSiQue's shape) is read where it is, ignored where it is not; anything else
+    in it stops the run with the file and the line."""
+    good = {"question": "What is the capital of the country where Ulm is?", "answers": ["Berlin"], "split": "train",
+            "question_decomposition": [{"question": "In which country is Ulm?", "answer": "Germany", "id": 7},
+                                       {"question": "What is the capital of #1?", "answer": "Berlin"}]}
+    plain = {"question": "Who?", "answers": ["Ada"], "split": "test"}
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(plain) + "\n")
+    train, test = qa_task.read_questions(str(path))
+    assert train[0][3] == (("In which country is Ulm?", "Germany"), ("What is the capital of #1?", "Berlin"))
+    assert test[0][3] == ()
+    hop = {"question": "In which country is Ulm?", "answer": "Germany"}
+    for bad in ["Germany", [], [hop] * 9, ["x"], [{"question": 3, "answer": "x"}], [{"question": "", "answer": "x"}],
+                [{"question": "x" * 2001, "answer": "x"}], [{"question": "Where?", "answer": "!!"}], [{"question": "Q?"}],
+                {"question": "Q?", "answer": "x"}]:
+        path.write_text(json.dumps(plain) + "\n" + json.dumps({**good, "question_decomposition": bad}) + "\n")
+        with pytest.raises(ValueError, match=r"q\.jsonl, line 2: 'question_decomposition' must be"):
+            qa_task.read_questions(str(path))
+    assert qa_task.filled("What is the capital of #1, not #2 or #0?", ["France"]) == \
+        "What is the capital of France, not #2 or #0?"
+
+
+@needs_bm25s
+def test_demos_of_a_question_with_hops_delegate_each_hop_in_turn(tmp_path):
+    """M's demo delegates hop 1, then hop 2 with hop 1's answer filled in, then answers; S's demos are hops
+    as M delegates them, searched, and answered from the passage that holds the answer."""
+    rows = [{"question": f"What is the capital of the country where {city} is?", "answers": [capital],
+             "split": split, "question_decomposition": [{"question": f"In which country is {city}?", "answer": country},
+                                                        {"question": "What is the capital of #1?", "answer": capital}]}
+            for city, country, capital, split in [("Ulm", "Germany", "Berlin", "train"), ("Lyon", "France", "Paris", "train"),
+                                                  ("Graz", "Austria", "Vienna", "test")]]
+    corpus = [{"id": c, "title": c, "contents": f"{c} is a city in {n}."} for c, n in [("Ulm", "Germany"), ("Lyon", "France")]]
+    corpus += [{"id": n, "title": n, "contents": f"{n} is a country. Its capital is {k}."}
+               for n, k in [("Germany", "Berlin"), ("France", "Paris")]]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in corpus))
+    task = qa_task.QaTask(str(tmp_path / "q.jsonl"))
+    task.use_search(retriever.Bm25Search(str(tmp_path / "c.jsonl")))
+    rng = random.Random(0)
+    q = task.make_question(0, 1)
+    main = task.demo(q, rng, 0.0, "main", chat=True)
+    assert [m["role"] for m in main] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert "In which country is Ulm?" in main[1]["content"] and main[2]["content"] == "Germany"
+    assert "What is the capital of Germany?" in main[3]["content"] and main[4]["content"] == "Berlin"
+    assert tools.parse_chat_action(main[5]["content"], "main") == ("answer", "Berlin")
+    asked = set()
+    for _ in range(20):
+        sub = task.demo(task.make_question(rng.randrange(2 ** 31), 1), rng, 0.0, "sub", chat=True)
+        asked.add(sub[0]["content"])
+        assert tools.parse_chat_action(sub[-1]["content"].split("</think>")[-1].strip(), "sub")[0] == "return"
+    assert asked == {"In which country is Ulm?", "What is the capital of Germany?", "In which country is Lyon?",
+                     "What is the capital of France?"}
+
+
+def test_the_geo_question_set_has_unique_answers_hops_and_splits_apart(tmp_path):
+    """scripts/qa_files.py geo: real facts (GeoNames) as questions of 1 to 3 hops whose last hop's answer is the
+    answer, a passage for each city asked about, and no training question that names a test city anywhere."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import qa_files
+    n_questions, n_passages = qa_files.geo(str(tmp_path), per_hops=400)
+    assert n_questions == 1200 and n_passages > 30_000
+    train, test = qa_task.read_questions(str(tmp_path / "questions.jsonl"))
+    assert len(test) >= 60 and len(train) >= 900
+    titles = Counter(json.loads(line)["title"] for line in open(tmp_path / "corpus.jsonl"))
+    subject = re.compile(r"In which country is (.+)\?|What is the capital of (?!#)(.+)\?")
+    test_cities = set()
+    for q, answers, _, hops in test:
+        assert hops and hops[-1][1] == answers[0] and 1 <= len(hops) <= 3
+        test_cities |= {m.group(1) or m.group(2) for m in [subject.fullmatch(hops[0][0])]} - {None}
+    for q, answers, _, hops in train:
+        assert hops and hops[-1][1] == answers[0]
+        named = {m.group(1) or m.group(2) for m in [subject.fullmatch(hops[0][0])]} | {
+            a for h, a in hops if h.startswith("What is the capital of")}  # the cities of its chain
+        assert not named & test_cities, q
+        city = re.fullmatch(r"In which country is (.+)\?", hops[0][0])
+        assert city is None or titles[city.group(1)] == 1  # one passage, one answer
+    hops_of = Counter(len(h) for *_, h in train + test)
+    assert set(hops_of) == {1, 2, 3}

@@ -38,6 +38,7 @@ def test_a_stage1_passes_its_check_within_one_retry(tmp_path, experiment, arm, s
     assert min(check["greedy"].values()) >= 0.95, check
 
 
+@pytest.mark.slow  # a pytest of its own: out of the fast tier
 def test_the_stage1_tier_runs_only_when_named():
     def collected(*marks):
         cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", *marks, os.path.abspath(__file__)]

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import huggingface_hub
 import pytest
 import torch
 import transformers
@@ -18,6 +19,7 @@ import transformers
 import cold_start
 import helpers
 import mgrpo
+import run
 import tools
 import toy_server
 import toy_tools
@@ -92,9 +94,11 @@ def test_bad_arguments_fail_clearly(capsys, monkeypatch):
     for argv, msg in [(["--mode", "solo"], "--mode must be"),
                       (["--mode", "single-agent", "--role", "main", "--store", "s"], "runs in one process"),
                       (["--cold-start", '{"levels": [1, 4]}'], "level must be 1, 2 or 3, got 4"),
-                      (["--train-levels", "2,"], "--train-levels: invalid int value: '2,'"),
-                      (["--train-levels", "1", "4"], "level must be 1, 2 or 3, got 4"),
-                      (["--train-levels", "0"], "--train-levels must be levels"),
+                      (["--level", "2,"], "--level: invalid int value: '2,'"),
+                      (["--level", "1", "4"], "level must be 1, 2 or 3, got 4"),
+                      (["--level", "0"], "--level must be levels"),
+                      (["--lr", "1e-3", "1e-3", "1e-3"], "--lr takes one rate > 0, or two"),
+                      (["--max-turns", "4", "1"], "--max-turns must be >= 2"),
                       (["--clip-eps", "-0.1", "0.2"], "--clip-eps must be >= 0"),
                       (["--report-to", "mlflow"], "--report-to must be tensorboard or wandb"),
                       (["--cold-start", '{"until": 0.9}', "--role", "sub", "--store", "s"], "it needs --role both"),
@@ -156,7 +160,7 @@ def test_the_cold_start_goes_on_until_its_check_passes_or_three_more_rounds(tmp_
     calls, score = [], [0.0]
 
     def fake_evaluate(main, args, task, delegate, search, greedy=False, first=mgrpo.EVAL_SEED):
-        calls.append((args.level, args.eval_questions, greedy, first))
+        calls.append((*args.level, args.eval_questions, greedy, first))
         return score[0]
     monkeypatch.setattr(mgrpo, "evaluate", fake_evaluate)
     base, cold = ["--steps", "0", "--model-size", "0.1M", "--eval-questions", "8"], {"steps": 5, "levels": [1, 2]}
@@ -380,7 +384,15 @@ def test_a_users_mistakes_at_start_up_get_one_line_and_leave_no_folder(tmp_path,
              (["--main-model", str(tmp_path)], "the folder holds no model (no config.json or adapter_config.json)")]
     if importlib.util.find_spec("bm25s"):
         cases.append((["--search", f"bm25:{bad}"], "bad.jsonl, line 2: not JSON"))
-    for argv, says in cases:
+    broken = tmp_path / "broken"  # found once the folder is made: it goes again
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    late = [(["--main-model", str(broken)], f"--main-model {broken} cannot be loaded"),
+            (["--sub-model", "does-not-exist/either"], "--sub-model does-not-exist/either cannot be loaded")]
+    for argv, says in cases + late:
+        if argv == late[1][0]:
+            monkeypatch.setattr(run, "hub_reachable", lambda timeout=3.0: True)  # the hub is there, no such model:
+            monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # a fast refusal, as its 404
         t0 = time.time()
         with pytest.raises(SystemExit) as e:
             mgrpo.main(SHORT + ["--out", str(tmp_path / "run")] + argv)

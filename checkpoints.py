@@ -184,8 +184,13 @@ SAME_RUN = ("mode", "role", "task", "seed", "level", "questions_per_step", "grou
 
 
 def identity(settings):
-    """The settings of SAME_RUN in a dict of args.json's shape; of the cold start all but its check."""
+    """The settings of SAME_RUN in a dict of args.json's shape; of the cold start all but its check. An
+    older run's --level L with --train-levels T reads as today's --level T (or L without T), where T
+    starts with L, its evaluations' level."""
     same = {k: settings[k] for k in SAME_RUN if k in settings}
+    if isinstance(same.get("level"), int):
+        old = list(settings.get("train_levels") or [same["level"]])
+        same["level"] = old if old[0] == same["level"] else [same["level"], "train_levels", *old]
     if isinstance(same.get("cold_start"), dict):
         same["cold_start"] = {k: v for k, v in same["cold_start"].items() if k != "until"}
     return same
@@ -205,6 +210,7 @@ def own_out(args, out, made=False):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            made = False  # the folder is the other run's
             raise SystemExit(f"error: another run is using {out}") from None
         if args.resume:
             same_run(args, out)
@@ -213,9 +219,10 @@ def own_out(args, out, made=False):
                              "with --overwrite (its checkpoints go), or pick another --out")
         yield
     except BaseException:
-        if made and os.listdir(out) == [".lock"]:
-            os.remove(os.path.join(out, ".lock"))
-            os.rmdir(out)
+        with contextlib.suppress(OSError):  # never in the way of the error itself
+            if made and os.listdir(out) == [".lock"]:
+                os.remove(os.path.join(out, ".lock"))
+                os.rmdir(out)
         raise
     finally:
         os.close(fd)

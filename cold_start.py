@@ -135,8 +135,8 @@ def encode_demo(agent, msgs, kind):
 
 
 def demo_levels(args):
-    """The cold-start demos' levels, taken in turn: ColdStart.levels, else the run's --level."""
-    return list(args.cold_start.levels or args.level)
+    """The cold-start demos' levels, taken in turn: ColdStart.levels, else the run's first --level."""
+    return list(args.cold_start.levels or args.level[:1])
 
 
 def sft_rate(i, steps, warmup, decay=1.0):

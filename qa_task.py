@@ -100,11 +100,15 @@ def hops_of(hops, where):
     if not (isinstance(hops, list) and 0 < len(hops) <= MAX_HOPS and all(
             isinstance(h, dict) and isinstance(h.get("question"), str) and 0 < len(h["question"].strip())
             and len(h["question"]) <= MAX_QUESTION and isinstance(h.get("answer"), str)
-            and normalize(clean_text(h["answer"])) for h in hops)):
+            and len(h["answer"]) <= MAX_QUESTION and normalize(clean_text(h["answer"])) for h in hops)):
         raise ValueError(f"{where}: 'question_decomposition' must be a list of 1 to {MAX_HOPS} objects, each "
-                         f"a \"question\" of 1 to {MAX_QUESTION} characters and an \"answer\" with a word in it")
-    return tuple((" ".join(clean_text(h["question"]).split()), " ".join(clean_text(h["answer"]).split()))
+                         f"a \"question\" and an \"answer\" of 1 to {MAX_QUESTION} characters, a word in the answer")
+    hops = tuple((" ".join(clean_text(h["question"]).split()), " ".join(clean_text(h["answer"]).split()))
                  for h in hops)
+    if any(len(filled(q, [a for _, a in hops[:k]])) > MAX_QUESTION for k, (q, _) in enumerate(hops)):
+        raise ValueError(f"{where}: a hop of 'question_decomposition', its #k filled in, is over {MAX_QUESTION} "
+                         "characters")
+    return hops
 
 
 def filled(question, answers):
@@ -175,6 +179,7 @@ class QaTask:
 
     def __init__(self, path):
         self.train, self.test = read_questions(path)
+        self.held = {normalize(q) for q, *_ in self.test}  # a hop that is a test question never makes a demo
         self.search = None  # the run's search tool, for the demos (use_search)
 
     def make_question(self, seed, level):
@@ -253,6 +258,8 @@ class QaTask:
             if hop and q.hops:
                 k = rng.randrange(len(q.hops))
                 q = Question(q.seed, q.level, filled(q.hops[k][0], [a for _, a in q.hops[:k]]), [q.hops[k][1]])
+                if normalize(q.text) in self.held:
+                    continue
             try:
                 results = self.search.search(q.text, q.seed, q.level)
             except SearchError:

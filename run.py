@@ -121,6 +121,7 @@ def problems(a):
         (min(a.questions_per_step, a.ppo_epochs) < 1 or a.eval_questions == 0,
          "--questions-per-step, --ppo-epochs, --eval-questions must be >= 1"),
         (min(a.level) < 1, "--level must be levels, >= 1"),
+        (a.mode == "single-agent" and len(a.lr) > 1, "--mode single-agent has no S: give --lr one rate"),
         (min(a.max_turns) < 2, "--max-turns must be >= 2, M's and S's"),
         (a.role not in ("both", "main", "sub"), "--role must be both, main or sub"),
         (a.role != "both" and not a.store, "--role main / sub needs --store DIR"),
@@ -154,6 +155,10 @@ def task_problems(a):
             task.make_question(0, level)
     except (AttributeError, ValueError) as e:
         return [f"--level / the cold start's levels: {e}"]
+    hops = max((len(row[3]) for row in getattr(task, "train", ())), default=0)  # a question file's decompositions
+    if hops >= a.max_turns[0] and a.mode != "single-agent":
+        return [f"--task {a.task} has questions of {hops} hops, which M's demos delegate one a turn: give M "
+                f"{hops + 1} turns or more (--max-turns {hops + 1} {a.max_turns[1]})"]
     return []
 
 
@@ -230,9 +235,12 @@ def start(args):
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # the two roles share the cores
     out = args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-seed{args.seed}"
                                    + ("" if args.role == "both" else "-" + args.role))
-    made = not os.path.isdir(out)
-    os.makedirs(out, exist_ok=True)
-    return out, made
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    try:
+        os.mkdir(out)
+        return out, True
+    except FileExistsError:
+        return out, False
 
 
 def exit_with_parent(parent):

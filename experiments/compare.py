@@ -23,9 +23,12 @@ every arm starts from that stage 1 and trains --stage2-steps on harder questions
            230 tokens while M's stays near 50: co-train against single-agent
   single-budget  as single, every agent's context capped at 160 tokens (--max-context), which one
            sub-task fits and the single agent's whole search does not
-Every experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0, adds a KL penalty to the stage-1
+  geo      a real model: SmolLM2-135M-Instruct as both agents on two-hop questions over GeoNames' facts
+           (first: python scripts/qa_files.py geo data/geo/ --hops 2), co-train against main-only; stage 1
+           is the smollm2 cold start, stage 2 the RL of experiments/geo.md's command
+Every toy experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0, adds a KL penalty to the stage-1
 agents (--kl-coef 0.04) and halves any update that moved a policy by more than 0.05 per token on its own
-batch (--max-kl 0.05); the paper has neither (experiments/README.md says why).
+batch (--max-kl 0.05); the paper has neither (experiments/README.md says why). geo's has none of them.
 
     python -m experiments.compare --out runs/compare    # 'paper': 5 stage 1s x 3 seeds x 2 arms
     python -m experiments.compare --experiment unsync --out runs/compare --resume
@@ -59,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from cold_start import checked_cold_start
+from cold_start import PRESETS, checked_cold_start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"co-train": ["--mode", "co-train"],
@@ -76,6 +79,7 @@ ARMS = {"co-train": ["--mode", "co-train"],
 # per token on their own batch, against a median of 0.001): --max-kl 0.05 halves such a step until it moved less
 # (experiments/stage2-probes.md); the paper has no such bound either
 RL_GUARD = ["--grad-clip", "0.1", "--kl-coef", "0.04", "--max-kl", "0.05"]
+GEO = ["--task", "qa:data/geo/questions.jsonl", "--search", "bm25:data/geo/corpus.jsonl", "--max-new-tokens", "64"]
 SINGLE = ["--level", "3", "--max-sub", "4", "--max-turns", "5", "3", *RL_GUARD]  # 'single' and 'single-budget'
 EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 options, stage 1's defaults
     "paper": (["co-train", "main-only"], ["--level", "2", "--max-sub", "3", *RL_GUARD], {"levels": [1, 2, 2]}),
@@ -92,6 +96,15 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
     # sub-tasks 67 to 111 (experiments/single-budget.md). Its stage 1s are the single experiment's
     "single-budget": (["co-train", "single-agent"], [*SINGLE, "--max-context", "160"],
                       {"levels": [1, 2, 3], "seeds": [1]}),
+    # SmolLM2 on the real facts: stage 1 is experiments/geo.md's cold start, stage 2 its 20 RL steps, unguarded
+    # as there (at lr 3e-5 M's gradient norms ran 0.3 to 0.8: a clip at 0.1 would cut every step). On 2 cores a
+    # co-train step takes about 90 s and an evaluation of 32 questions about 90 s, so stage 2 is short, evaluated
+    # at its start and end, and three stage 1s of one seed each take about 3.6 hours
+    "geo": (["co-train", "main-only"], [*GEO, "--questions-per-step", "2", "--group-size", "4", "--lr", "3e-5"],
+            {"levels": [1], "stage1_seeds": [1, 2, 3], "seeds": [1], "stage2_steps": 20, "eval_every": 20,
+             "eval_questions": 32,
+             "stage1": ["--main-model", "smollm2", "--sub-model", "smollm2", *GEO], "name": "stage1-geo",
+             "cold": {kind: PRESETS["smollm2"] for kind in ("system", "single")}, "quick": {"steps": 2}}),
 }
 # Stage 1's cold start (mgrpo.py --cold-start), per kind of stage 1; the experiment adds its demos' levels. The
 # system's: 1200 steps of 64 demos at lr 1.5e-3, whose rate warms up over 5% of the steps. The single agent's:
@@ -115,10 +128,10 @@ def parse(argv=None):
     p.add_argument("--experiment", default="paper", choices=list(EXPERIMENTS), help="setting and arms, see above")
     p.add_argument("--arms", nargs="+", default=None, choices=list(ARMS), metavar="ARM",
                    help=f"arms to run, of {list(ARMS)}; default: the experiment's two")
-    p.add_argument("--stage1-seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5],
-                   help="one stage 1 per seed: the independent units of the intervals")
+    p.add_argument("--stage1-seeds", type=int, nargs="+", default=None,
+                   help="one stage 1 per seed: the independent units of the intervals; default: 1 2 3 4 5 (geo: 1 2 3)")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
-                   help="stage-2 seeds, per stage 1 and arm; default: 1 2 3 (single, single-budget: 1)")
+                   help="stage-2 seeds, per stage 1 and arm; default: 1 2 3 (single, single-budget, geo: 1)")
     p.add_argument("--cold-start", default="{}", help="a JSON object of ColdStart fields (cold_start.py) over "
                    "each kind's stage-1 cold start (COLD_START, with the experiment's demo levels), e.g. "
                    "'{\"steps\": 600, \"until\": 0}'")
@@ -133,8 +146,9 @@ def parse(argv=None):
                         "(paper, unsync: 1 2; single: 1 2 3); 1: the paper's stage 1 of easy questions only")
     p.add_argument("--stage2-steps", type=int, default=None,
                    help="RL steps per stage-2 run; default: 90 (unsync: 80)")
-    p.add_argument("--eval-every", type=int, default=25, help="evaluate every N stage-2 steps")
-    p.add_argument("--eval-questions", type=int, default=256, help="held-out questions per evaluation")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N stage-2 steps; default: 25 (geo: 20)")
+    p.add_argument("--eval-questions", type=int, default=None,
+                   help="held-out questions per evaluation; default: 256 (geo: 32)")
     p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
                    help="runs at once, each with one thread (tiny models do not gain from more)")
     p.add_argument("--extra", default="", help="more mgrpo.py options for every run, e.g. '--model-size 1M'")
@@ -161,13 +175,16 @@ def settled(a, p):
     own = EXPERIMENTS[a.experiment][2]
     a.stage2_steps = own.get("stage2_steps", STAGE2_STEPS) if a.stage2_steps is None else a.stage2_steps
     a.seeds = a.seeds or own.get("seeds", [1, 2, 3])
+    a.stage1_seeds = a.stage1_seeds or own.get("stage1_seeds", [1, 2, 3, 4, 5])
+    a.eval_every = own.get("eval_every", 25) if a.eval_every is None else a.eval_every
+    a.eval_questions = own.get("eval_questions", 256) if a.eval_questions is None else a.eval_questions
     try:
         mine = json.loads(a.cold_start)
         if not isinstance(mine, dict):
             raise ValueError("not a JSON object")
         # each kind's cold start, as mgrpo.py will take it: the experiment's levels, COLD_START's settings, yours
-        a.cold = {kind: {"levels": own["levels"], **c, **(QUICK if a.quick else {}), **mine}
-                  for kind, c in COLD_START.items()}
+        a.cold = {kind: {"levels": own["levels"], **c, **(own.get("quick", QUICK) if a.quick else {}), **mine}
+                  for kind, c in own.get("cold", COLD_START).items()}
         for c in a.cold.values():
             checked_cold_start(c)
     except (ValueError, TypeError, RecursionError) as e:
@@ -413,12 +430,14 @@ def plan_runs(a, out):
     stage-1 seed, seed, its stage 1's name)}); a run's folder is <out>/<name>."""
     common = ["--eval-questions", str(a.eval_questions), *a.extra.split()]
     stage1, stage2_plan, plan = {}, {}, {}
-    s1_prefix = "stage1-levels" + "".join(map(str, a.cold["system"]["levels"]))  # shared across experiments
-    stage2 = EXPERIMENTS[a.experiment][1]  # D and M's turns as in stage 2: stage 1 meets its hardest questions
+    stage2, own = EXPERIMENTS[a.experiment][1:]
+    # shared across experiments with the same stage 1s
+    s1_prefix = own.get("name", "stage1") + "-levels" + "".join(map(str, a.cold["system"]["levels"]))
+    # D and M's turns as in stage 2: stage 1 meets its hardest questions
     shape = [x for key, n in (("--max-sub", 1), ("--max-turns", 2)) if key in stage2
              for x in stage2[stage2.index(key):stage2.index(key) + 1 + n]]
     for s1 in a.stage1_seeds:
-        base = ["--level", *map(str, a.stage1_levels), *shape, "--model-size", a.model_size,
+        base = ["--level", *map(str, a.stage1_levels), *shape, *own.get("stage1", ["--model-size", a.model_size]),
                 "--steps", str(a.stage1_steps),
                 "--eval-every", "0", "--seed", str(s1), *(RL_GUARD if a.stage1_steps else []), *common]
         if any(arm != "single-agent" for arm in a.arms):
@@ -508,6 +527,8 @@ def main(argv=None):
     a = parse(argv)
     if a.recompute:
         return recompute(a.recompute)
+    if a.experiment == "geo" and not os.path.exists(os.path.join(ROOT, "data", "geo", "questions.jsonl")):
+        raise SystemExit("geo's questions are missing: run python scripts/qa_files.py geo data/geo/ --hops 2 first")
     out = os.path.abspath(a.out or os.path.join("runs", time.strftime("compare-%Y%m%d-%H%M%S")))
     exp_out = os.path.join(out, a.experiment)
     os.makedirs(exp_out, exist_ok=True)

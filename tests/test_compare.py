@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import mgrpo
 from experiments import compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,9 +158,12 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
         [1, 2, 3], [1], [4])
     assert compare.parse(["--experiment", "unsync"]).stage2_steps == 80
     assert compare.parse(["--experiment", "unsync", "--stage2-steps", "7"]).stage2_steps == 7
-    # every experiment's stage 2 clips gradients at 0.1, keeps both arms near stage 1 (KL 0.04) and bounds
-    # each update's move of a policy (0.05 per token)
+    # every toy experiment's stage 2 clips gradients at 0.1, keeps both arms near stage 1 (KL 0.04) and bounds
+    # each update's move of a policy (0.05 per token); geo's runs SmolLM2's RL as experiments/geo.md does
     for name, (_, stage2, _) in compare.EXPERIMENTS.items():
+        if name == "geo":
+            assert not {"--grad-clip", "--kl-coef", "--max-kl"} & set(stage2)
+            continue
         assert stage2[stage2.index("--grad-clip") + 1] == "0.1", name
         assert stage2[stage2.index("--kl-coef") + 1] == "0.04", name
         assert stage2[stage2.index("--max-kl") + 1] == "0.05", name
@@ -174,6 +178,39 @@ def test_the_context_budget_setting_is_single_with_one_option_more_and_its_stage
         budget = plans["single-budget"][1][name.replace("single/", "single-budget/")]
         assert budget[:budget.index("--max-context")] + budget[budget.index("--max-context") + 2:] == argv
         assert budget[budget.index("--max-context") + 1] == "160"
+
+
+def test_the_real_model_experiment_starts_stage_2_from_smollm2s_own_stage_1s(tmp_path, monkeypatch):
+    """'geo': three stage 1s, each SmolLM2 as both agents given the smollm2 cold start on the question file,
+    under names of their own (not the toy's stage 1s of level 1); stage 2 starts each arm from them, 20 steps
+    evaluated at both ends on 32 questions, and every command is one mgrpo.py takes (here over the tests'
+    small world in the place of data/geo/)."""
+    from test_qa import write_qa
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("data/geo")
+    write_qa(tmp_path / "data" / "geo")
+    a = compare.parse(["--experiment", "geo"])
+    assert (a.arms, a.stage1_seeds, a.seeds, a.stage2_steps, a.eval_every, a.eval_questions) == (
+        ["co-train", "main-only"], [1, 2, 3], [1], 20, 20, 32)
+    stage1, stage2, plan = compare.plan_runs(a, "out")
+    assert list(stage1) == [f"stage1-geo-levels1-seed{s}-system" for s in (1, 2, 3)]
+    for name in stage1:  # the folders stage 1 will write, as mgrpo.py checks a given model's
+        for agent in ("main", "sub"):
+            os.makedirs(f"out/{name}/{agent}")
+            open(f"out/{name}/{agent}/config.json", "w").close()
+    for name, argv in stage1.items():
+        args = mgrpo.parse_args(argv)
+        assert (args.main_model, args.sub_model, args.task, args.steps) == ("smollm2", "smollm2",
+                                                                            "qa:data/geo/questions.jsonl", 0)
+        assert args.cold_start.steps == 20 and args.cold_start.lr == 1e-4  # the smollm2 preset
+    assert len(stage2) == 6
+    for name, argv in stage2.items():
+        args, (arm, s1, _, s1_name) = mgrpo.parse_args(argv), plan[name]
+        assert args.main_model == f"out/{s1_name}/main" and args.sub_model == f"out/{s1_name}/sub"
+        assert (args.mode, args.cold_start.steps, args.lr, args.search) == (
+            arm, 0, (3e-5,), "bm25:data/geo/corpus.jsonl")
+    assert compare.parse(["--experiment", "geo", "--eval-every", "5", "--stage1-seeds", "4"]).eval_every == 5
+    assert compare.parse(["--experiment", "geo", "--quick"]).cold["system"]["steps"] == 2
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The probes of experiments/ (sub_probe, first_errors, answer_margin, update_probe): what they read, on hand-made
+"""The probes of experiments/ (sub_probe, first_errors, answer_margin, update_probe, hops): what they read, on hand-made
 trajectories and on the cold-started agents."""
 import json
 import os
@@ -13,7 +13,7 @@ import cold_start
 import helpers
 import mgrpo
 import toy_tools
-from experiments import answer_margin, first_errors, sub_probe, update_probe
+from experiments import answer_margin, first_errors, hops, sub_probe, update_probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -221,3 +221,45 @@ def test_curves_reads_each_runs_steps_and_evaluations_and_draws_them(tmp_path):
         return
     curves.main([str(tmp_path / "c.png"), str(tmp_path / "a"), str(tmp_path / "b")])
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_the_hops_probe_puts_a_wrong_answer_down_to_its_first_cause():
+    from agents import Traj
+    from qa_task import Question, QaTask
+    task = QaTask.__new__(QaTask)  # answer_correct reads only the question
+    q = Question(0, 1, "What is the capital of the country where Ulm is?", ["Berlin"],
+                 hops=(("In which country is Ulm?", "Germany"), ("What is the capital of #1?", "Berlin")))
+    sub = lambda text: Traj([], [], [], result=text)  # noqa: E731
+    subs = [sub("Ulm lies in Germany."), sub("Berlin"), sub("germanys"), sub("none")]
+    main = lambda answer, calls, ok=True: Traj([], [], [], result=answer, ok=ok, calls=calls)  # noqa: E731
+    assert hops.first_cause(task, q, main("berlin", [0, 1]), subs) == "right"
+    assert hops.first_cause(task, q, main("Berlin", [0, 1], ok=False), subs) != "right"  # a broken format scores 0
+    assert hops.first_cause(task, q, main("Paris", []), subs) == "answered without delegating"
+    assert hops.first_cause(task, q, main("Paris", [2, 3]), subs) == "first hop's fact never came back"  # not whole words
+    assert hops.first_cause(task, q, main("Paris", [0, 3]), subs) == "hop 2's fact never came back"
+    assert hops.first_cause(task, q, main("Bonn", [1, 0]), subs) == "M's answer wrong though S returned every hop's fact"
+    assert not hops.returned("", subs) and hops.returned("GERMANY", subs[:1])
+
+
+@pytest.mark.slow
+def test_the_hops_probe_runs_on_a_question_file_with_hops(tmp_path, capsys):
+    pytest.importorskip("bm25s")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import qa_files
+    qa_files.geo(str(tmp_path), per_hops=60, hops=(2,))
+    mgrpo.main(["--chat", "--model-size", "0.1M", "--cold-start", "none", "--steps", "0", "--eval-questions", "1",
+                "--out", str(tmp_path / "chat")])
+    capsys.readouterr()
+    hops.main(["--task", f"qa:{tmp_path}/questions.jsonl", "--search", f"bm25:{tmp_path}/corpus.jsonl",
+               "--main-model", str(tmp_path / "chat" / "main"), "--sub-model", str(tmp_path / "chat" / "sub"),
+               "--eval-questions", "6", "--max-new-tokens", "16"])
+    lines = capsys.readouterr().out.splitlines()
+    found = [line for line in lines if line.startswith(("sampled: ", "greedy: ", "  first causes"))]
+    assert [line.split(":")[0] for line in found] == ["sampled", "  first causes of the " + found[1].split()[4]
+                                                      + " wrong answers", "greedy", found[3].split(":")[0]]
+    for head, causes in zip(found[::2], found[1::2]):
+        right = round(float(head.split()[2]) * 6)
+        wrong = sum(int(c.rsplit(" ", 1)[1]) for c in causes.split(": ", 1)[1].split(", ") if c != "none")
+        assert right + wrong == 6 and int(causes.split()[4]) == wrong
+        calls = head.split("per rollout: ")[1].split("; S returned")[0].split(", ")
+        assert abs(sum(float(c.split(": ")[1]) for c in calls) - 1) < 1e-3

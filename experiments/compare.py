@@ -28,7 +28,7 @@ every arm starts from that stage 1 and trains --stage2-steps on harder questions
            is the smollm2 cold start, stage 2 the RL of experiments/geo.md's command
 Every toy experiment's stage 2 clips gradients at 0.1, not mgrpo.py's 1.0, adds a KL penalty to the stage-1
 agents (--kl-coef 0.04) and halves any update that moved a policy by more than 0.05 per token on its own
-batch (--max-kl 0.05); the paper has neither (experiments/README.md says why). geo's has none of them.
+batch (--max-kl 0.05); the paper has neither (experiments/README.md says why). geo's has the last alone.
 
     python -m experiments.compare --out runs/compare    # 'paper': 5 stage 1s x 3 seeds x 2 arms
     python -m experiments.compare --experiment unsync --out runs/compare --resume
@@ -96,13 +96,15 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
     # sub-tasks 67 to 111 (experiments/single-budget.md). Its stage 1s are the single experiment's
     "single-budget": (["co-train", "single-agent"], [*SINGLE, "--max-context", "160"],
                       {"levels": [1, 2, 3], "seeds": [1]}),
-    # SmolLM2 on the real facts: stage 1 is experiments/geo.md's cold start, stage 2 its 20 RL steps, unguarded
-    # as there (at lr 3e-5 M's gradient norms ran 0.3 to 0.8: a clip at 0.1 would cut every step). On 2 cores a
-    # co-train step takes about 90 s and an evaluation of 32 questions about 90 s, so stage 2 is short, evaluated
-    # at its start and end, and three stage 1s of one seed each take about 3.6 hours
-    "geo": (["co-train", "main-only"], [*GEO, "--questions-per-step", "2", "--group-size", "4", "--lr", "3e-5"],
+    # SmolLM2 on the real facts: stage 1 is experiments/geo.md's cold start, stage 2 its 20 RL steps with the
+    # bound on one update's move (--max-kl 0.05: without it one update of seed 1 flipped M's plan from two
+    # delegations to one, experiments/geo.md), but no clip at 0.1 (at lr 3e-5 M's gradient norms ran 0.3 to 0.8:
+    # it would cut every step) and no KL penalty. On 2 cores a co-train step takes about 90 s and an evaluation
+    # of 32 questions about 90 s, so stage 2 is short, evaluated at its start and end
+    "geo": (["co-train", "main-only"], [*GEO, "--questions-per-step", "2", "--group-size", "4", "--lr", "3e-5",
+                                        "--max-kl", "0.05"],
             {"levels": [1], "stage1_seeds": [1, 2, 3], "seeds": [1], "stage2_steps": 20, "eval_every": 20,
-             "eval_questions": 32,
+             "eval_questions": 32, "jobs": 1,  # a SmolLM2 run holds about 14 GiB: two do not fit in 24
              "stage1": ["--main-model", "smollm2", "--sub-model", "smollm2", *GEO], "name": "stage1-geo",
              "cold": {kind: PRESETS["smollm2"] for kind in ("system", "single")}, "quick": {"steps": 2}}),
 }
@@ -149,8 +151,9 @@ def parse(argv=None):
     p.add_argument("--eval-every", type=int, default=None, help="evaluate every N stage-2 steps; default: 25 (geo: 20)")
     p.add_argument("--eval-questions", type=int, default=None,
                    help="held-out questions per evaluation; default: 256 (geo: 32)")
-    p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
-                   help="runs at once, each with one thread (tiny models do not gain from more)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="runs at once, the cores shared among them (tiny models do not gain from more than one); "
+                        "default: 2 where there are 2 cores (geo: 1)")
     p.add_argument("--extra", default="", help="more mgrpo.py options for every run, e.g. '--model-size 1M'")
     p.add_argument("--out", default="", help="output folder; empty: runs/compare-<time>")
     p.add_argument("--resume", action="store_true",
@@ -176,6 +179,7 @@ def settled(a, p):
     a.stage2_steps = own.get("stage2_steps", STAGE2_STEPS) if a.stage2_steps is None else a.stage2_steps
     a.seeds = a.seeds or own.get("seeds", [1, 2, 3])
     a.stage1_seeds = a.stage1_seeds or own.get("stage1_seeds", [1, 2, 3, 4, 5])
+    a.jobs = a.jobs or own.get("jobs", max(1, min(2, os.cpu_count() or 1)))
     a.eval_every = own.get("eval_every", 25) if a.eval_every is None else a.eval_every
     a.eval_questions = own.get("eval_questions", 256) if a.eval_questions is None else a.eval_questions
     try:
@@ -202,9 +206,9 @@ def settled(a, p):
     return a
 
 
-def run(name, argv, out, resume=False):
-    """One mgrpo.py run in <out>/<name>, in its own process with one thread that ends if this script does
-    (killed, say); returns its summary.
+def run(name, argv, out, resume=False, threads=1):
+    """One mgrpo.py run in <out>/<name>, in its own process with `threads` threads that ends if this script
+    does (killed, say); returns its summary.
 
     resume: a run that finished with the same options is reused, one that was cut off
     continues from its last checkpoint (mgrpo.py --resume)."""
@@ -233,7 +237,7 @@ def run(name, argv, out, resume=False):
     print(f"  start {name}", flush=True)
     with open(os.path.join(folder, "log.txt"), "a" if resume else "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                                   "MGRPO_PARENT_PID": str(os.getpid())})  # a run ends with this script
     if rc != 0:
         with open(os.path.join(folder, "log.txt")) as f:
@@ -544,12 +548,13 @@ def main(argv=None):
 
     def after(stage1_job, name):
         stage1_job.result()  # raises if its stage 1 failed
-        return run(name, stage2_plan[name], out, a.resume)
+        return run(name, stage2_plan[name], out, a.resume, threads)
 
+    threads = max(1, (os.cpu_count() or 1) // a.jobs)  # the cores shared among the runs at once
     with ThreadPoolExecutor(a.jobs) as pool:
         # a stage-2 run starts once its own stage 1 is done; the queue holds every stage 1 before
         # the runs that wait for it, so none waits forever
-        s1_jobs = {name: pool.submit(run, name, argv, out, a.resume) for name, argv in stage1.items()}
+        s1_jobs = {name: pool.submit(run, name, argv, out, a.resume, threads) for name, argv in stage1.items()}
         if a.stage1_only:
             return stage1_report({name: f.result() for name, f in s1_jobs.items()}, stage1, exp_out, show)
         s2_jobs = {name: pool.submit(after, s1_jobs[plan[name][3]], name) for name in plan}

@@ -16,6 +16,8 @@ import collections
 import functools
 import sys
 
+import transformers
+
 import mgrpo
 import run
 from agents import load_agent
@@ -69,6 +71,7 @@ def main(argv=None):
     if not isinstance(task, QaTask) or args.mode == "single-agent" or not args.main_model or not args.sub_model:
         sys.exit("hops.py probes trained agents on a question file: give --task qa:FILE, --main-model and --sub-model")
     search, _ = run.outside(args, task)
+    transformers.utils.logging.disable_progress_bar()
     agent = load_agent(args.main_model, args, task, seed=args.seed)
     sub = load_agent(args.sub_model, args, task, seed=args.seed + 1)
     delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)

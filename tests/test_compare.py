@@ -162,7 +162,7 @@ def test_each_experiment_has_its_own_stage1_and_options_override_it():
     # each update's move of a policy (0.05 per token); geo's runs SmolLM2's RL as experiments/geo.md does
     for name, (_, stage2, _) in compare.EXPERIMENTS.items():
         if name == "geo":
-            assert not {"--grad-clip", "--kl-coef", "--max-kl"} & set(stage2)
+            assert not {"--grad-clip", "--kl-coef"} & set(stage2) and stage2[stage2.index("--max-kl") + 1] == "0.05"
             continue
         assert stage2[stage2.index("--grad-clip") + 1] == "0.1", name
         assert stage2[stage2.index("--kl-coef") + 1] == "0.04", name
@@ -190,8 +190,8 @@ def test_the_real_model_experiment_starts_stage_2_from_smollm2s_own_stage_1s(tmp
     os.makedirs("data/geo")
     write_qa(tmp_path / "data" / "geo")
     a = compare.parse(["--experiment", "geo"])
-    assert (a.arms, a.stage1_seeds, a.seeds, a.stage2_steps, a.eval_every, a.eval_questions) == (
-        ["co-train", "main-only"], [1, 2, 3], [1], 20, 20, 32)
+    assert (a.arms, a.stage1_seeds, a.seeds, a.stage2_steps, a.eval_every, a.eval_questions, a.jobs) == (
+        ["co-train", "main-only"], [1, 2, 3], [1], 20, 20, 32, 1)  # one SmolLM2 run at a time: 14 GiB each
     stage1, stage2, plan = compare.plan_runs(a, "out")
     assert list(stage1) == [f"stage1-geo-levels1-seed{s}-system" for s in (1, 2, 3)]
     for name in stage1:  # the folders stage 1 will write, as mgrpo.py checks a given model's

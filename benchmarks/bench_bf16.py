@@ -19,6 +19,7 @@ and 3 then run fp32 only unless --force, and part 4 still runs (a few minutes).
 Figures are wall-clock on whatever machine runs it; compare the rows of one run.
 """
 import argparse
+import copy
 import statistics
 import time
 
@@ -54,10 +55,12 @@ def matmul_rate(m, k, n, dtype, seconds=1.0):
     return 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
 
 
-def model_in(model, way):
-    """The model as `way` runs it: (model, autocast on?); bf16 weights: the copy mgrpo samples with."""
+def model_in(model, way, train=False):
+    """The model as `way` runs it: (model, autocast on?); bf16 weights: the copy mgrpo samples with, or for
+    training a bf16 copy that takes gradients (the sampler's holds none)."""
     if way == "bf16 weights":
-        return sampling.sampler(agents.Agent(model, None, bf16=True)), False
+        return (copy.deepcopy(model).to(torch.bfloat16) if train else
+                sampling.sampler(agents.Agent(model, None, bf16=True))), False
     return model, way == "autocast"
 
 
@@ -83,8 +86,9 @@ def speeds(model, b, ways):
     ids = torch.randint(0, model.config.vocab_size, (b.rows, b.tokens))
     base = None
     for way in ways:
-        m, ac = model_in(model, way)
+        m, ac = model_in(model, way, train=True)
         t = median_seconds(lambda: train_pass(m, ac, ids), b.repeat)
+        m, ac = model_in(model, way)
         base = base or t
         steps = [decode_step(m, ac, r) for r in (8, 16, 64)]
         print(f"{way:>14} | {t:9.2f} {base / t:6.2f}x | "

@@ -99,8 +99,8 @@ EXPERIMENTS = {  # arms (the paired difference is first - second), the stage-2 o
     # SmolLM2 on the real facts: stage 1 is experiments/geo.md's cold start, stage 2 its 20 RL steps with the
     # bound on one update's move (--max-kl 0.05: without it one update of seed 1 flipped M's plan from two
     # delegations to one, experiments/geo.md), but no clip at 0.1 (at lr 3e-5 M's gradient norms ran 0.3 to 0.8:
-    # it would cut every step) and no KL penalty. On 2 cores a co-train step takes about 90 s and an evaluation
-    # of 32 questions about 90 s, so stage 2 is short, evaluated at its start and end
+    # it would cut every step) and no KL penalty. On 2 cores a co-train step takes 50 s (bf16, AMX) to 90 s (fp32)
+    # and an evaluation of 32 questions 70 to 90 s, so stage 2 is short, evaluated at its start and end
     "geo": (["co-train", "main-only"], [*GEO, "--questions-per-step", "2", "--group-size", "4", "--lr", "3e-5",
                                         "--max-kl", "0.05"],
             {"levels": [1], "stage1_seeds": [1, 2, 3], "seeds": [1], "stage2_steps": 20, "eval_every": 20,

@@ -28,7 +28,7 @@ from agents import adamw, add_adapter, load_agent, message_ids, new_traj, outsid
 from checkpoints import load_reference, save_checkpoint, save_frozen
 from run import agent_kinds, exit_with_parent, load_task, search_tool
 import smollm2
-from sampling import collate, shape_step, token_logprobs
+from sampling import collate, token_logprobs
 from tiny_models import build_model
 from tools import stable_seed
 
@@ -168,7 +168,7 @@ def cold_start(agent, kind, args, task, seed, steps):
             for _ in range(c.batch):  # a question, then its demo, from the one rng; one level per step,
                 q = task.make_question(rng.randrange(2 ** 31), mix[i % len(mix)])  # padded to its own length
                 demos.append(encode_demo(enc, task.demo(q, rng, c.noise, kind, agent.chat), kind))
-            ids, attn, mask, _ = collate(demos, agent.pad_id, "cpu", shape_step(agent))
+            ids, attn, mask, _ = collate(demos, agent.pad_id, "cpu")
             ids, attn, mask = (x.to(agent.model.device) for x in (ids, attn, mask))
             with agent.autocast():
                 loss = -token_logprobs(agent.model, ids, attn, mask).sum() / mask.sum()

@@ -53,7 +53,7 @@ from agents import Traj, load_agent, message_ids, new_traj, optimizer_state, res
 from checkpoints import own_out, resume_or_start
 from cold_start import ColdStart, before_rl, parse_cold_start
 from report import Log, UpdateLog, agent_record, answer_f1, report, skipped_in_a_row, step_record
-from sampling import Kept, batch_logprobs, collate, generate, reference_logprobs, shape_step, token_logprobs
+from sampling import Kept, batch_logprobs, collate, generate, reference_logprobs, token_logprobs
 from records import exchange_ok, phase_key, results_ok, store_record, tasks_ok
 from store import StoreError
 from tools import CHECK_SEED, EVAL_SEED, FINAL, TAGS, parse_action, parse_chat_action, stable_seed, tool_calls
@@ -400,7 +400,7 @@ def update_agent(agent, trajs, adv, args, stale=False):
     it is skipped and counted (skipped_in_a_row). Returns the update's statistics (report.UpdateLog).
     stale: a batch sampled before the last update (--mode unsync), whose old log-probs stay the sampler's
     in bf16 too, the clip acting on their ratio, as the paper's off-policy version has it."""
-    batch = collate(trajs, agent.pad_id, agent.model.device, shape_step(agent))
+    batch = collate(trajs, agent.pad_id, agent.model.device)
     ref = reference_logprobs(agent, batch, args.micro_batch) if args.kl_coef else None  # once per batch
     log = UpdateLog(agent.model.device, batch, args.ppo_epochs)
     sampled = batch[3].clone() if agent.bf16 and not stale else None  # a bf16 sampler: truncated_is_weight

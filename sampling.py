@@ -59,24 +59,9 @@ def forward_last(model, ids, attn, pos, cache):
                  **{cache_keyword(type(model)): cache}).logits[:, -1]
 
 
-SHAPE_STEP = 64  # bf16 on a CPU: a batch's length in tokens is padded up to a multiple of this. oneDNN builds a
-# bf16 matmul kernel for each new shape (a 576x1536 layer of SmolLM2 took 23 ms at a row count it had not seen,
-# 5.5 ms at one it had; fp32 18 and 17 ms), and a prefill's or a training batch's length is new at most calls
-
-
-def shape_step(agent):
-    """The multiple a batch's token length is padded up to: SHAPE_STEP for bf16 on a CPU, else 1."""
-    return SHAPE_STEP if agent.bf16 and agent.model.device.type == "cpu" else 1
-
-
-def round_up(n, step):
-    return -(-n // step) * step
-
-
-def left_pad(contexts, pad_id, rows, device, step=1):
-    """[rows, L] ids and attention mask, each context flush right, L a multiple of step; rows past the contexts
-    repeat the first."""
-    L = round_up(max(map(len, contexts)), step)
+def left_pad(contexts, pad_id, rows, device):
+    """[rows, L] ids and attention mask, each context flush right; rows past the contexts repeat the first."""
+    L = max(map(len, contexts))
     ids = torch.full((rows, L), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for b, c in enumerate(contexts + [contexts[0]] * (rows - len(contexts))):
@@ -223,7 +208,7 @@ class EagerDecoder:
         """The contexts into the cache: (last position's logits, each row's next position [B, 1])."""
         dev, self.rows, self.lengths = self.model.device, list(range(len(contexts))), list(map(len, contexts))
         if self.kept is None:
-            ids, self.attn = left_pad(contexts, self.agent.pad_id, len(contexts), dev, shape_step(self.agent))
+            ids, self.attn = left_pad(contexts, self.agent.pad_id, len(contexts), dev)
             pos = (self.attn.cumsum(-1) - 1).clamp(min=0)  # positions count real tokens only
             self.cache = new_cache(self.model, ids.shape[1] + n_new)
         else:
@@ -240,8 +225,7 @@ class EagerDecoder:
         """The kept KV into the cache, row b as [padding, its n_b kept]; the rest of each context as a
         block, row b as [padding, its tokens after n_b]: (block ids, attention mask, block positions)."""
         kept, B, dev = self.kept, len(contexts), self.model.device
-        C = max(k.n for k in kept)
-        N = round_up(max(len(c) - k.n for c, k in zip(contexts, kept)), shape_step(self.agent))
+        C, N = max(k.n for k in kept), max(len(c) - k.n for c, k in zip(contexts, kept))
         attn = torch.zeros(B, C + N, dtype=torch.long, device=dev)
         ids = torch.full((B, N), self.agent.pad_id, dtype=torch.long, device=dev)
         pos = torch.zeros(B, N, dtype=torch.long, device=dev)
@@ -425,10 +409,10 @@ def next_logp(logits, targets):
     return logp.gather(-1, targets[..., None])[..., 0]
 
 
-def collate(trajs, pad_id, device, step=1):
-    """Right-padded tensors (ids, attention mask, loss mask, sampling log-probs) of trajectories, their length a
-    multiple of step; the attention mask comes from lengths, never from token ids (pad may equal eos)."""
-    B, T = len(trajs), round_up(max(len(t.ids) for t in trajs), step)
+def collate(trajs, pad_id, device):
+    """Right-padded tensors (ids, attention mask, loss mask, sampling log-probs) of trajectories; the
+    attention mask comes from lengths, never from token ids (pad may equal eos)."""
+    B, T = len(trajs), max(len(t.ids) for t in trajs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn, mask, old = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros(B, T)
     for b, t in enumerate(trajs):

@@ -73,7 +73,7 @@ def test_bf16_training_uses_its_own_old_logprobs_and_truncated_is_weights(bf16, 
     a.bf16 = bf16
     args = mgrpo.parse_args(["--chat", "--model-size", "0.1M", "--dtype", "bfloat16" if bf16 else "float32"])
     trajs = demos(a)
-    ids, attn, mask, _ = sampling.collate(trajs, a.pad_id, "cpu", sampling.shape_step(a))  # as update_agent pads
+    ids, attn, mask, _ = sampling.collate(trajs, a.pad_id, "cpu")
     with torch.no_grad(), a.autocast():
         own = sampling.token_logprobs(a.model, ids, attn, mask)
     shift = torch.zeros_like(own)
@@ -90,7 +90,7 @@ def test_bf16_training_uses_its_own_old_logprobs_and_truncated_is_weights(bf16, 
     monkeypatch.setattr(mgrpo, "policy_loss", spy)
     stats = mgrpo.update_agent(a, trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]), args)
     (old, w, m), = seen
-    stored = sampling.collate(trajs, a.pad_id, "cpu", sampling.shape_step(a))[3]
+    stored = sampling.collate(trajs, a.pad_id, "cpu")[3]
     if not bf16:
         assert torch.equal(old, stored) and w is None and "logp_gap" not in stats
         return

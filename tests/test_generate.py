@@ -1,6 +1,5 @@
 """mgrpo's own sampling loop: what it draws, and the log-probs it stores for the ratio."""
 import copy
-import dataclasses
 import math
 
 import numpy as np
@@ -376,36 +375,6 @@ def test_finished_rows_that_ride_along_change_nothing(which, word_agent, chat_ag
         assert [o[0] for o in f] == [o[0] for o in f0] and [o[0] for o in s] == [o[0] for o in s0]
         for x, y in zip(f + s, f0 + s0):
             assert x[1] == pytest.approx(y[1], abs=1e-5)
-
-
-@pytest.mark.parametrize("which", ["word", "chat"])
-def test_lengths_padded_to_a_multiple_of_tokens_change_nothing(which, word_agent, chat_agent, monkeypatch):
-    """In bf16 on a CPU, prefills and training batches are padded to a multiple of SHAPE_STEP tokens, so that
-    matmul shapes repeat (shape_step). The padding changes no token, log-prob or kept KV: two turns, whole
-    and kept, sample the same with the padding as without (fp32, to 1e-5), and a padded training batch
-    scores its tokens as the unpadded one."""
-    a = decisive(word_agent if which == "word" else chat_agent)
-    monkeypatch.setattr(sampling, "KEEP_MIN", 0)
-    a = biased(a, {a.end[0]: 2.0})
-    ctxs = [prompt_ids(a, "sub", f"city of {p}") for p in toy_tools.PERSONS[:6]]
-    runs = {}
-    for step in (1, sampling.SHAPE_STEP):
-        monkeypatch.setattr(sampling, "shape_step", lambda agent: step)
-        kept = [Kept() for _ in ctxs]
-        first = generate(a, ctxs, 10, seed=0, kept=kept)
-        after = [c + new + message_ids(a, "tool", "result") for c, (new, _, _) in zip(ctxs, first)]
-        runs[step] = first + generate(a, after, 10, seed=1, kept=kept) + generate(a, after, 10, seed=1)
-    (plain, padded) = runs.values()
-    assert [o[0] for o in plain] == [o[0] for o in padded]
-    assert max(abs(x - y) for p, q in zip(plain, padded) for x, y in zip(p[1], q[1])) < 1e-5
-    trajs = [Traj(c + new, [0] * len(c) + [1] * len(new), [0.0] * len(c) + lp) for c, (new, lp, _) in zip(ctxs, plain)]
-    short, long = collate(trajs, a.pad_id, "cpu"), collate(trajs, a.pad_id, "cpu", step=64)
-    assert long[0].shape[1] % 64 == 0 and long[0].shape[1] > short[0].shape[1] and long[2].sum() == short[2].sum()
-    with torch.no_grad():
-        lp_short, lp_long = token_logprobs(a.model, *short[:3]), token_logprobs(a.model, *long[:3])
-    assert (lp_long[:, :lp_short.shape[1]] - lp_short).abs().max() < 1e-5 and lp_long[:, lp_short.shape[1]:].abs().max() == 0
-    monkeypatch.undo()
-    assert sampling.shape_step(a) == 1 and sampling.shape_step(dataclasses.replace(a, bf16=True)) == sampling.SHAPE_STEP
 
 
 def test_probabilities_that_are_not_finite_stop_the_draw(word_agent):

@@ -2,7 +2,8 @@
 
 1. Matmul rates, fp32 and bf16, at a decode step's shape and at training's.
 2. SmolLM2-135M (or --model), forward + backward of --rows x --tokens in fp32, in bf16 by autocast over the
-   fp32 weights (what mgrpo trains with), and over bf16 weights; the ratios to fp32.
+   fp32 weights (what mgrpo trains with), and over bf16 weights; the ratios to fp32. 2b: the same at a length
+   new at each pass, as training meets them, unpadded and padded to a multiple of 64 tokens.
 3. A decode step with a KV cache of 200 tokens at 8, 16 and 64 rows, in the same three ways.
 4. The sampler/trainer gap: --rollouts rows of the toy task's main-agent prompt, one turn of --new-tokens
    sampled by `sampling.generate` from the bf16 copy (what --dtype bfloat16 samples with) and from the fp32
@@ -34,6 +35,7 @@ from agents import Traj, load_agent, prompt_ids
 from sampling import collate, generate, token_logprobs
 
 WAYS = ("fp32", "autocast", "bf16 weights")
+PAD = 64  # part 2b's multiple
 
 
 def median_seconds(fn, repeat):
@@ -95,6 +97,27 @@ def speeds(model, b, ways):
               + " ".join(f"{1e3 * s:8.0f} ({r / s:5.0f})  " for r, s in zip((8, 16, 64), steps)), flush=True)
 
 
+def lengths(model, b, ways):
+    """Part 2b: forward + backward of batches whose length is new at each pass, as training's are, against the
+    same batches padded to a multiple of PAD tokens, whose shapes repeat (oneDNN builds a bf16 kernel per new
+    shape: does it cost a pass much?)."""
+    print(f"\n2b. forward + backward of {b.rows} rows, a new length each pass ({b.tokens + 1} and up), "
+          f"unpadded and padded to a multiple of {PAD}: the median of {b.repeat} passes")
+    for i, way in enumerate(ways):
+        m, ac = model_in(model, way, train=True)
+        row = []
+        for step in (1, PAD):
+            times = []
+            for j in range(b.repeat + 1):  # the padded lengths' first shape is new once
+                n = -(-(b.tokens + 1 + j + 10 * i + 5 * (step > 1)) // step) * step
+                ids = torch.randint(0, model.config.vocab_size, (b.rows, n))
+                t0 = time.perf_counter()
+                train_pass(m, ac, ids)
+                times.append(time.perf_counter() - t0)
+            row.append(statistics.median(times[1:]))
+        print(f"{way:>14} | unpadded {row[0]:6.2f} s, padded {row[1]:6.2f} s: {row[0] / row[1]:.2f}x", flush=True)
+
+
 def gap(b, args):
     """Part 4: the sampler's log-probs against training's, for each way of sampling in bf16."""
     print(f"\n4. sampler/trainer log-prob gap, {b.rollouts} rollouts x {b.new_tokens} new tokens, the toy task's "
@@ -137,6 +160,7 @@ def main():
     args = mgrpo.parse_args(["--main-model", b.model, "--dtype", "bfloat16", "--max-new-tokens", str(b.new_tokens)])
     model = load_agent(b.model, args, toy_tools).model
     speeds(model, b, WAYS if fast or b.force else WAYS[:1])
+    lengths(model, b, WAYS[:2] if fast or b.force else WAYS[:1])
     if not (fast or b.force):
         print("   (bf16 not timed: this CPU has no AMX or AVX512-BF16; --force times it)")
     gap(b, args)

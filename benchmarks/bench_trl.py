@@ -141,7 +141,7 @@ def main():
     print(f"{'model':>7} {'dtype':>8} {'params':>7} | {'mgrpo s/step':>12} {'TRL s/step':>10} | "
           f"{'mgrpo compl/s':>13} {'TRL compl/s':>11} {'ratio':>6} | {'mgrpo tok/s':>11} {'TRL tok/s':>9}")
     for name, model in models.items():
-        best = {}
+        best, n = {}, sum(x.numel() for x in model.parameters())
         for dtype in b.dtypes:
             res = {}
             for side, fn in (("mgrpo", time_mgrpo), ("trl", time_trl)):
@@ -150,7 +150,6 @@ def main():
                 t = statistics.median(times[3:])
                 res[side] = (t, 64 / t, statistics.mean(tokens[3:]) / t)
                 best[side] = min(best.get(side, (t, dtype)), (t, dtype))
-            n = sum(x.numel() for x in model.parameters())
             print(f"{name:>7} {dtype:>8} {n / 1e6:6.2f}M | {res['mgrpo'][0]:12.3f} {res['trl'][0]:10.3f} | "
                   f"{res['mgrpo'][1]:13.1f} {res['trl'][1]:11.1f} {res['mgrpo'][1] / res['trl'][1]:5.2f}x | "
                   f"{res['mgrpo'][2]:11.0f} {res['trl'][2]:9.0f}", flush=True)

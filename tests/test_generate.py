@@ -337,6 +337,27 @@ def test_a_slab_cache_gives_a_dynamic_caches_logits(chat_agent):
     assert slab.layers[0].keys.shape[2] == ids.shape[1] + 4 == slab.layers[0].capacity
 
 
+def test_the_head_reads_the_last_states_as_rows_and_gives_the_models_logits(chat_agent):
+    """forward_last hands the head the last position of each row as a 2-D [B, H] tensor, never a strided
+    [B, 1, H] slice (which torch multiplies by copying the head's weight per row: 0.7 s at 8 rows of SmolLM2 in
+    bf16), and its logits are the model's own at the last position of a left-padded prefill."""
+    a = chat_agent
+    ctx = contexts(a, "sub")
+    ids, attn = sampling.left_pad(ctx, a.pad_id, len(ctx), "cpu")
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    seen = []
+    hook = a.model.get_output_embeddings().register_forward_pre_hook(lambda m, x: seen.append(x[0]))
+    try:
+        with torch.no_grad():
+            last = sampling.forward_last(a.model, ids, attn, pos, sampling.new_cache(a.model, ids.shape[1]))
+    finally:
+        hook.remove()
+    assert ids.shape[1] > 1 and len(seen) == 1 and seen[0].dim() == 2 and seen[0].stride(-1) == 1
+    with torch.no_grad():
+        full = a.model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -1]
+    assert last.shape == full.shape and torch.allclose(last, full, atol=1e-5)
+
+
 def test_a_model_with_sliding_windows_decodes_with_transformers_cache():
     """A model whose layers are not all full attention (sliding windows) gets transformers' own cache."""
     import transformers

@@ -26,7 +26,8 @@ from agents import Traj
 from run import agent_names
 
 NAME = re.compile(r"ckpt-(\d{8})(?:\.(\d+))?")
-KEEP = 2  # checkpoints kept
+KEEP = 2  # checkpoints kept while a run goes on; once its last phase is saved, that checkpoint alone (of two
+# SmolLM2 agents with their AdamW states, 3.1 GB each)
 
 
 class CheckpointError(RuntimeError):
@@ -79,8 +80,8 @@ def write_state(folder, agents, index, n_metrics, sft_rounds):
                os.path.join(folder, "state.pt"))
 
 
-def save_checkpoint(out, agents, index, n_metrics, sft_rounds=None):
-    """<out>/ckpt-<index> (or .<n>, saved again); the last KEEP are kept. n_metrics: lines of
+def save_checkpoint(out, agents, index, n_metrics, sft_rounds=None, keep=KEEP):
+    """<out>/ckpt-<index> (or .<n>, saved again); the last `keep` are kept. n_metrics: lines of
     metrics.jsonl it covers. sft_rounds: saved within the cold start, after that many rounds (None:
     the cold start is over)."""
     tmp = os.path.join(out, f"ckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -90,7 +91,7 @@ def save_checkpoint(out, agents, index, n_metrics, sft_rounds=None):
     final = os.path.join(out, f"ckpt-{index:08d}" + (f".{max(again)}" if again else ""))
     os.rename(tmp, final)  # a new name: no checkpoint is ever written over
     fsync_dir(out)
-    for path in checkpoints(out)[:-KEEP]:  # older ones: renamed aside first, so none is left half deleted
+    for path in checkpoints(out)[:-keep]:  # older ones: renamed aside first, so none is left half deleted
         aside = os.path.join(out, f"ckpt-tmp-old-{secrets.token_hex(4)}")
         os.rename(path, aside)
         shutil.rmtree(aside, ignore_errors=True)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from checkpoints import save_checkpoint
+from checkpoints import KEEP, save_checkpoint
 
 
 SAVE_RATIO = 20  # the work a checkpoint may wait for, in times what saving it costs
@@ -49,7 +49,8 @@ class Log:
                     print(alarm_message(key, rec), flush=True)
         if self.checkpoint_due(idx):
             t0 = time.perf_counter()
-            save_checkpoint(self.out, self.agents, idx + 1, self.lines)
+            last = idx == self.n_phases - 1 and not self.store  # two roles keep their checkpoints in step
+            save_checkpoint(self.out, self.agents, idx + 1, self.lines, keep=1 if last else KEEP)
             self.saved_at, self.save_cost = time.perf_counter(), time.perf_counter() - t0
             if self.store:
                 self.store.saved = idx + 1

@@ -1,6 +1,8 @@
 """Benchmark (prints figures; not a test): what bf16 buys on this machine, and what it costs in log-probs.
 
-1. Matmul rates, fp32 and bf16, at a decode step's shape and at training's.
+1. Matmul rates, fp32 and bf16, at a decode step's shape and at training's. 1b: SmolLM2's head (49,152 x 576)
+   on the last states of 8 rows of 9 tokens, given as HF's logits_to_keep=1 gives it (a strided [8, 1, 576]
+   slice) and as sampling.forward_last does (2-D rows).
 2. SmolLM2-135M (or --model), forward + backward of --rows x --tokens in fp32, in bf16 by autocast over the
    fp32 weights (what mgrpo trains with), and over bf16 weights; the ratios to fp32. 2b: the same at a length
    new at each pass, as training meets them, unpadded and padded to a multiple of 64 tokens.
@@ -55,6 +57,16 @@ def matmul_rate(m, k, n, dtype, seconds=1.0):
         a @ b
         reps += 1
     return 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
+
+
+def head_inputs():
+    """Part 1b: the head on a strided [B, 1, H] slice against the same rows as a 2-D tensor."""
+    weight = torch.randn(49152, 576)
+    for dtype in (torch.float32, torch.bfloat16):
+        w, h = weight.to(dtype), torch.randn(8, 9, 576, dtype=dtype)
+        ms = [1e3 * median_seconds(lambda: torch.nn.functional.linear(x, w), 5) for x in (h[:, -1:], h[:, -1])]
+        print(f"1b. the head, 8 rows, {str(dtype)[6:]}: a [8, 1, 576] slice {ms[0]:.1f} ms, "
+              f"2-D rows {ms[1]:.1f} ms", flush=True)
 
 
 def model_in(model, way, train=False):
@@ -157,6 +169,7 @@ def main():
     print("1. matmul GFLOP/s:  " + "   ".join(
         f"{m}x{k}x{n} fp32 {matmul_rate(m, k, n, torch.float32):.0f}, bf16 {matmul_rate(m, k, n, torch.bfloat16):.0f}"
         for m, k, n in ((64, 576, 1536), (2048, 576, 1536))))
+    head_inputs()
     args = mgrpo.parse_args(["--main-model", b.model, "--dtype", "bfloat16", "--max-new-tokens", str(b.new_tokens)])
     model = load_agent(b.model, args, toy_tools).model
     speeds(model, b, WAYS if fast or b.force else WAYS[:1])

@@ -11,6 +11,7 @@ from: the new one, or the one before.
 """
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -85,8 +86,15 @@ def save_checkpoint(out, agents, index, n_metrics, sft_rounds=None, keep=KEEP):
     metrics.jsonl it covers. sft_rounds: saved within the cold start, after that many rounds (None:
     the cold start is over)."""
     tmp = os.path.join(out, f"ckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    write_state(tmp, agents, index, n_metrics, sft_rounds)
-    fsync_tree(tmp)
+    try:
+        write_state(tmp, agents, index, n_metrics, sft_rounds)
+        fsync_tree(tmp)
+    except Exception as e:  # noqa: BLE001  (safetensors and torch.save report a full disk as errors of their own)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if getattr(e, "errno", None) != errno.ENOSPC and "No space left on device" not in str(e):
+            raise
+        raise SystemExit(f"error: the disk of {out} is full: this checkpoint was not saved, and the last one "
+                         "is whole; free some space and go on with --resume") from None
     again = [order(p)[1] + 1 for p in checkpoints(out) if order(p)[0] == index]
     final = os.path.join(out, f"ckpt-{index:08d}" + (f".{max(again)}" if again else ""))
     os.rename(tmp, final)  # a new name: no checkpoint is ever written over

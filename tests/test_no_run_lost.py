@@ -159,6 +159,32 @@ def test_a_checkpoint_save_killed_at_any_step_leaves_a_whole_copy(tmp_path, monk
     assert not any(n.startswith("ckpt-tmp-") for n in os.listdir(out))
 
 
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   Exception("Error while serializing: I/O error: No space left on device (os error 28)")])
+def test_a_full_disk_while_saving_is_one_line_and_loses_nothing(tmp_path, monkeypatch, error):
+    """A disk that fills up mid-save (safetensors and torch.save each say so in their own error) stops the run
+    with one line that says to free space and --resume; the half-written folder goes and the last checkpoint
+    still loads. Any other error is raised as it is."""
+    args = mgrpo.parse_args(SHORT)
+    agents = {n: helpers.load_agent("", args, seed=i) for i, n in enumerate(("main", "sub"))}
+    out = str(tmp_path)
+    save_checkpoint(out, agents, 1, 5)
+    real = checkpoints.write_state
+
+    def filling(folder, *a):
+        real(folder, *a)
+        raise error
+    monkeypatch.setattr(checkpoints, "write_state", filling)
+    with pytest.raises(SystemExit) as e:
+        save_checkpoint(out, agents, 2, 7)
+    assert "disk" in str(e.value) and "--resume" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(os.listdir(out)) == ["ckpt-00000001"]
+    assert load_checkpoint(out, ["main", "sub"], load_short)[1:3] == (1, 5)
+    monkeypatch.setattr(checkpoints, "write_state", lambda *a: (_ for _ in ()).throw(ValueError("other")))
+    with pytest.raises(ValueError, match="other"):
+        save_checkpoint(out, agents, 2, 7)
+
+
 def test_files_and_folders_are_fsynced_before_the_rename_that_publishes_them(tmp_path, monkeypatch):
     args = mgrpo.parse_args(SHORT)
     agents = {"main": helpers.load_agent("", args, seed=0)}

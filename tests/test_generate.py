@@ -339,7 +339,7 @@ def test_a_slab_cache_gives_a_dynamic_caches_logits(chat_agent):
 
 def test_the_head_reads_the_last_states_as_rows_and_gives_the_models_logits(chat_agent):
     """forward_last hands the head the last position of each row as a 2-D [B, H] tensor, never a strided
-    [B, 1, H] slice (which torch multiplies by copying the head's weight per row: 0.7 s at 8 rows of SmolLM2 in
+    [B, 1, H] slice (which torch multiplies by copying the head's weight per row: 0.9 s at 8 rows of SmolLM2 in
     bf16), and its logits are the model's own at the last position of a left-padded prefill."""
     a = chat_agent
     ctx = contexts(a, "sub")

@@ -27,8 +27,8 @@ from agents import Traj
 from run import agent_names
 
 NAME = re.compile(r"ckpt-(\d{8})(?:\.(\d+))?")
-KEEP = 2  # checkpoints kept while a run goes on; once its last phase is saved, that checkpoint alone (of two
-# SmolLM2 agents with their AdamW states, 3.1 GB each)
+KEEP = 2  # checkpoints kept while a run goes on; once its last phase is saved, that one alone (a checkpoint of
+# two SmolLM2 agents with their AdamW states is 3.1 GB)
 
 
 class CheckpointError(RuntimeError):

@@ -13,7 +13,7 @@ import cold_start
 import helpers
 import mgrpo
 import toy_tools
-from experiments import answer_margin, first_errors, hops, sub_probe, update_probe
+from experiments import answer_margin, first_errors, hops, recall, sub_probe, update_probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -263,3 +263,32 @@ def test_the_hops_probe_runs_on_a_question_file_with_hops(tmp_path, capsys):
         assert right + wrong == 6 and int(causes.split()[4]) == wrong
         calls = head.split("per rollout: ")[1].split("; S returned")[0].split(", ")
         assert abs(sum(float(c.split(": ")[1]) for c in calls) - 1) < 1e-3
+
+
+def test_the_recall_probe_counts_the_hops_whose_search_holds_the_answer(tmp_path, capsys):
+    pytest.importorskip("bm25s")
+    hop = lambda city, country, capital: [{"question": f"In which country is {city}?", "answer": country},  # noqa: E731
+                                          {"question": "What is the capital of #1?", "answer": capital}]
+    rows = [("Ulm", "Germany", "Berlin", "test"), ("Lyon", "France", "Paris", "test"), ("Graz", "Austria", "Vienna", "train")]
+    with open(tmp_path / "q.jsonl", "w") as f:
+        for city, country, capital, split in rows:
+            f.write(json.dumps({"question": f"What is the capital of the country where {city} is?", "answers": [capital],
+                                "split": split, "question_decomposition": hop(city, country, capital)}) + "\n")
+    passages = ["Ulm is a city in Germany.", "Lyon is a city in France.", "Graz is a city in Austria.",
+                "Germany is a country in Europe. Its capital is Berlin.", "Oslo is the capital of Norway."]  # no France
+    with open(tmp_path / "c.jsonl", "w") as f:
+        f.writelines(json.dumps({"id": str(i), "title": c.split()[0], "contents": c}) + "\n"
+                     for i, c in enumerate(passages))
+    recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / "c.jsonl"), "--k", "1"])
+    out = capsys.readouterr().out
+    assert "hop 1: the results hold the answer for 2 of 2" in out and "hop 2: the results hold the answer for 1 of 2" in out
+    assert "every hop's: 1 of 2" in out and "'What is the capital of France?' x1" in out
+    recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / "c.jsonl"), "--k", "1", "--first", "1"])
+    assert "every hop's: 1 of 1" in capsys.readouterr().out  # Ulm alone
+    recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / "c.jsonl"), "--split", "train"])
+    assert "every hop's: 0 of 1" in capsys.readouterr().out  # no Austria passage either
+    with open(tmp_path / "plain.jsonl", "w") as f:
+        f.write(json.dumps({"question": "Where is Ulm?", "answers": ["Germany"], "split": "test"}) + "\n"
+                + json.dumps({"question": "Where is Graz?", "answers": ["Austria"]}) + "\n")
+    with pytest.raises(SystemExit, match="no test question carries question_decomposition"):
+        recall.main([str(tmp_path / "plain.jsonl"), str(tmp_path / "c.jsonl")])

@@ -1,24 +1,35 @@
-"""The search tool's ceiling on a question file's multi-hop questions: for each hop, asked as its own
-sub-question with the answers before it filled in (as the cold start's demos delegate it), whether
-the retriever's results hold that hop's answer as whole words. No model runs: this is what a searcher
-that asks exactly the gold sub-questions, and reads its results perfectly, could bring back.
+"""The search tool's ceiling on a question file's multi-hop questions: for each hop, asked once as its
+own sub-question with the answers before it filled in (the gold wording, as the cold start's demos
+delegate it), whether the passages the retriever returns hold that hop's answer as whole words, in
+a title or a text. No model runs: this is what a searcher that asks each gold sub-question once and
+reads its results perfectly could bring back. An agent can do more (search again in other words,
+visit a passage, answer from what it knows), so it is not a bound on a system's success.
 
     python -m experiments.recall data/geo/questions.jsonl data/geo/corpus.jsonl [--first 32]
 
-It prints, per hop, the share of sub-questions whose results hold the answer; the share of questions
-whose every hop's do (a bound on exact match for such a searcher); and the sub-questions missed most
-often, by their first words and the entity asked about.
+It prints, per hop, how many sub-questions' results hold the answer; how many questions' every hop's
+do; and the sub-questions missed most often, as they were asked.
 """
 import argparse
 import collections
 
 from qa_task import filled, normalize, read_questions
-from retriever import TOPK, Bm25Search, passage_result
+from retriever import MAX_TOPK, TOPK, Bm25Search, passage_result
 
 
 def holds(answer, results):
+    """Whether a result's title or text holds the answer as whole words (as experiments/hops.py counts it)."""
     a = normalize(answer)
-    return bool(a) and any(f" {a} " in f" {normalize(r['content'])} " for r in results)
+    return bool(a) and any(f" {a} " in f" {normalize(r['title'] + ' ' + r['content'])} " for r in results)
+
+
+def count(low, high):
+    """An argparse type: an integer from low to high, else one line that says so."""
+    def parse(text):
+        if not (text.lstrip("-").isdigit() and low <= int(text) <= high):
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {text!r}")
+        return int(text)
+    return parse
 
 
 def main(argv=None):
@@ -26,19 +37,20 @@ def main(argv=None):
     p.add_argument("questions", help="a question file whose questions carry question_decomposition")
     p.add_argument("corpus", help="the corpus the search tool reads (bm25)")
     p.add_argument("--split", choices=["test", "train"], default="test", help="which questions (default: test)")
-    p.add_argument("--k", type=int, default=TOPK, choices=range(1, 101), metavar="K", help=f"passages per search (default: the tool's {TOPK})")
-    p.add_argument("--first", type=int, default=None, metavar="N",
-                   help="only the split's first N questions, in the file's order: mgrpo.py evaluates the test split's "
-                        "first --eval-questions (default: all)")
+    p.add_argument("--k", type=count(1, MAX_TOPK), default=TOPK, help=f"passages a search (default: the tool's {TOPK})")
+    p.add_argument("--first", type=count(1, 10 ** 6), default=None, metavar="N",
+                   help="the questions mgrpo.py evaluates with --eval-questions N: the split's first N in the file's "
+                        "order, from its start again past its end (default: the whole split, once)")
     a = p.parse_args(argv)
     try:
         train, test = read_questions(a.questions)
-    except (OSError, ValueError) as e:
+        pool = test if a.split == "test" else train
+        questions = [q for q in (pool[i % len(pool)] for i in range(a.first or len(pool))) if q[3]]
+        if not questions:
+            raise ValueError(f"{a.questions}: no {a.split} question carries question_decomposition")
+        search = Bm25Search(a.corpus)
+    except (OSError, ValueError, ImportError) as e:
         raise SystemExit(str(e)) from None
-    questions = [q for q in (test if a.split == "test" else train)[:a.first] if q[3]]
-    if not questions:
-        raise SystemExit(f"{a.questions}: no {a.split} question carries question_decomposition")
-    search = Bm25Search(a.corpus)
     found, asked, whole, missed = collections.Counter(), collections.Counter(), 0, collections.Counter()
     for _, _, _, hops in questions:
         every = True

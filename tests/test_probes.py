@@ -275,20 +275,31 @@ def test_the_recall_probe_counts_the_hops_whose_search_holds_the_answer(tmp_path
             f.write(json.dumps({"question": f"What is the capital of the country where {city} is?", "answers": [capital],
                                 "split": split, "question_decomposition": hop(city, country, capital)}) + "\n")
     passages = ["Ulm is a city in Germany.", "Lyon is a city in France.", "Graz is a city in Austria.",
-                "Germany is a country in Europe. Its capital is Berlin.", "Oslo is the capital of Norway."]  # no France
+                "Germany is a country in Europe. Its capital is Berlin.", "Bonn was the capital of Germany.",
+                "France is a country in Europe. Its capital is Parisville."]  # Paris is not there as a whole word
     with open(tmp_path / "c.jsonl", "w") as f:
         f.writelines(json.dumps({"id": str(i), "title": c.split()[0], "contents": c}) + "\n"
                      for i, c in enumerate(passages))
-    recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / "c.jsonl"), "--k", "1"])
-    out = capsys.readouterr().out
-    assert "hop 1: the results hold the answer for 2 of 2" in out and "hop 2: the results hold the answer for 1 of 2" in out
-    assert "every hop's: 1 of 2" in out and "'What is the capital of France?' x1" in out
-    recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / "c.jsonl"), "--k", "1", "--first", "1"])
-    assert "every hop's: 1 of 1" in capsys.readouterr().out  # Ulm alone
-    recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / "c.jsonl"), "--split", "train"])
-    assert "every hop's: 0 of 1" in capsys.readouterr().out  # no Austria passage either
+    run = lambda *extra: (recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / "c.jsonl"), *extra]),  # noqa: E731
+                          capsys.readouterr().out)[1]
+    out = run("--k", "1")  # Bonn's shorter passage comes first for Germany's capital
+    assert "hop 1: the results hold the answer for 2 of 2" in out and "hop 2: the results hold the answer for 0 of 2" in out
+    out = run("--k", "2")
+    assert "hop 2: the results hold the answer for 1 of 2" in out and "every hop's: 1 of 2" in out
+    assert "'What is the capital of France?' x1" in out
+    assert "every hop's: 1 of 1" in run("--first", "1")  # Ulm alone
+    assert "every hop's: 2 of 3" in run("--first", "3")  # Ulm, Lyon, Ulm again: as mgrpo.py's evaluation wraps
+    assert "every hop's: 0 of 1" in run("--split", "train")  # no Austria passage
     with open(tmp_path / "plain.jsonl", "w") as f:
         f.write(json.dumps({"question": "Where is Ulm?", "answers": ["Germany"], "split": "test"}) + "\n"
                 + json.dumps({"question": "Where is Graz?", "answers": ["Austria"]}) + "\n")
     with pytest.raises(SystemExit, match="no test question carries question_decomposition"):
         recall.main([str(tmp_path / "plain.jsonl"), str(tmp_path / "c.jsonl")])
+    (tmp_path / "bad.jsonl").write_text('{"id": "1", "title": "x", "contents": "y"}\nnot json\n')
+    for corpus, says in (("missing.jsonl", "missing.jsonl"), ("bad.jsonl", "bad.jsonl, line 2")):
+        with pytest.raises(SystemExit, match=says):
+            recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / corpus)])
+    for bad in (["--k", "0"], ["--first", "-3"], ["--k", "x"]):
+        with pytest.raises(SystemExit):
+            recall.main([str(tmp_path / "q.jsonl"), str(tmp_path / "c.jsonl"), *bad])
+        assert "must be an integer from 1 to" in capsys.readouterr().err

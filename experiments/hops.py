@@ -6,7 +6,8 @@ Per rollout it counts M's delegations to S, against answering from what M knows 
 for each hop whether S ever returned that hop's answer (normalized, whole words, in any of its
 results). A wrong answer is put down to its first cause in this order: M answered without
 delegating; the first hop's fact never came back from S; a later hop's fact never came back; M's
-answer was wrong although S returned every hop's fact. Sampled at temperature 1, then greedy.
+answer was wrong although S returned every hop's fact; each cause's questions are listed by their
+number in the evaluation (experiments/recall.py numbers them alike). Sampled at temperature 1, then greedy.
 experiments/geo.md uses it on the SmolLM2 runs:
 
     python -m experiments.hops --task qa:data/geo/questions.jsonl --search bm25:data/geo/corpus.jsonl \\
@@ -44,18 +45,22 @@ def first_cause(task, q, traj, subs):
 
 
 def probe(agent, args, task, delegate, search, greedy):
-    """(outcomes, M's delegations per rollout, per hop: rollouts whose S returned its fact) over the evaluation."""
+    """(outcomes, M's delegations per rollout, per hop: rollouts whose S returned its fact, per outcome: the
+    numbers of its questions in the evaluation, from 1) over the evaluation."""
     causes, calls, facts = collections.Counter(), collections.Counter(), collections.Counter()
+    which = collections.defaultdict(list)
     for batch, trajs, subs in mgrpo.eval_rollouts(agent, args, task, delegate, search, greedy):
         for t, q in zip(trajs, batch):
-            causes[first_cause(task, q, t, subs)] += 1
+            cause = first_cause(task, q, t, subs)
+            causes[cause] += 1
+            which[cause].append(q.seed - mgrpo.EVAL_SEED + 1)  # the evaluation's question number (recall.py's too)
             calls[min(len(t.calls), 3)] += 1
             mine = [subs[i] for i in t.calls]
             facts.update(h for h, (_, a) in enumerate(q.hops, 1) if returned(a, mine))
-    return causes, calls, facts
+    return causes, calls, facts, which
 
 
-def report(name, n, causes, calls, facts):
+def report(name, n, causes, calls, facts, which):
     share = lambda c: f"{c / n:.3f}"  # noqa: E731
     print(f"{name}: success {share(causes['right'])} of {n}; M's delegations per rollout: "
           + ", ".join(f"{k if k < 3 else '3+'}: {share(calls[k])}" for k in sorted(calls))
@@ -63,6 +68,9 @@ def report(name, n, causes, calls, facts):
     wrong = n - causes["right"]
     print(f"  first causes of the {wrong} wrong answers: "
           + (", ".join(f"{k} {v}" for k, v in causes.most_common() if k != "right") or "none"), flush=True)
+    for k, _ in causes.most_common():
+        if k != "right":
+            print(f"    {k}: questions {', '.join(map(str, which[k]))}", flush=True)
 
 
 def main(argv=None):
@@ -76,8 +84,8 @@ def main(argv=None):
     sub = load_agent(args.sub_model, args, task, seed=args.seed + 1)
     delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
     for greedy in (False, True):
-        causes, calls, facts = probe(agent, args, task, delegate, search, greedy)
-        report("greedy" if greedy else "sampled", sum(causes.values()), causes, calls, facts)
+        found = probe(agent, args, task, delegate, search, greedy)
+        report("greedy" if greedy else "sampled", sum(found[0].values()), *found)
 
 
 if __name__ == "__main__":

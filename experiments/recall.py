@@ -8,7 +8,8 @@ visit a passage, answer from what it knows), so it is not a bound on a system's 
     python -m experiments.recall data/geo/questions.jsonl data/geo/corpus.jsonl [--first 32]
 
 It prints, per hop, how many sub-questions' results hold the answer; how many questions' every hop's
-do; and the sub-questions missed most often, as they were asked.
+do; with --first, the numbers of the questions that miss a hop (as experiments/hops.py numbers the
+evaluation's); and the sub-questions missed most often, as they were asked.
 """
 import argparse
 import collections
@@ -45,14 +46,15 @@ def main(argv=None):
     try:
         train, test = read_questions(a.questions)
         pool = test if a.split == "test" else train
-        questions = [q for q in (pool[i % len(pool)] for i in range(a.first or len(pool))) if q[3]]
+        questions = [(i + 1, pool[i % len(pool)]) for i in range(a.first or len(pool)) if pool[i % len(pool)][3]]
         if not questions:
             raise ValueError(f"{a.questions}: no {a.split} question carries question_decomposition")
         search = Bm25Search(a.corpus)
     except (OSError, ValueError, ImportError) as e:
         raise SystemExit(str(e)) from None
     found, asked, whole, missed = collections.Counter(), collections.Counter(), 0, collections.Counter()
-    for _, _, _, hops in questions:
+    short = []  # the numbers, from 1, of the questions with a hop not found
+    for number, (_, _, _, hops) in questions:
         every = True
         for k, (sub_q, answer) in enumerate(hops):
             text = filled(sub_q, [ans for _, ans in hops[:k]])
@@ -64,10 +66,14 @@ def main(argv=None):
             if not ok:
                 missed[text] += 1
         whole += every
+        if not every:
+            short.append(number)
     print(f"{len(questions)} {a.split} questions with hops; top {a.k} passages a search")
     for h in sorted(asked):
         print(f"  hop {h}: the results hold the answer for {found[h]} of {asked[h]} ({found[h] / asked[h]:.3f})")
     print(f"  every hop's: {whole} of {len(questions)} ({whole / len(questions):.3f})")
+    if missed and a.first:
+        print(f"  the questions with a hop not found, by their number in the evaluation: {', '.join(map(str, short))}")
     if missed:
         print("missed most often: " + "; ".join(f"{t!r} x{n}" for t, n in missed.most_common(8)))
 

@@ -263,6 +263,12 @@ def test_the_hops_probe_runs_on_a_question_file_with_hops(tmp_path, capsys):
         assert right + wrong == 6 and int(causes.split()[4]) == wrong
         calls = head.split("per rollout: ")[1].split("; S returned")[0].split(", ")
         assert abs(sum(float(c.split(": ")[1]) for c in calls) - 1) < 1e-3
+    for block in "\n".join(lines).split("greedy: "):  # each cause's questions by number: every wrong one, once
+        listed = [line.split(": questions ") for line in block.splitlines() if ": questions " in line]
+        numbers = [int(n) for _, ns in listed for n in ns.split(", ")]
+        causes = block.split("wrong answers: ")[1].splitlines()[0]
+        assert len(numbers) == len(set(numbers)) == sum(int(c.rsplit(" ", 1)[1]) for c in causes.split(", ") if c != "none")
+        assert set(numbers) <= set(range(1, 7)) and all(f"{k.strip()} {len(ns.split(', '))}" in causes for k, ns in listed)
 
 
 def test_the_recall_probe_counts_the_hops_whose_search_holds_the_answer(tmp_path, capsys):
@@ -288,7 +294,8 @@ def test_the_recall_probe_counts_the_hops_whose_search_holds_the_answer(tmp_path
     assert "hop 2: the results hold the answer for 1 of 2" in out and "every hop's: 1 of 2" in out
     assert "'What is the capital of France?' x1" in out
     assert "every hop's: 1 of 1" in run("--first", "1")  # Ulm alone
-    assert "every hop's: 2 of 3" in run("--first", "3")  # Ulm, Lyon, Ulm again: as mgrpo.py's evaluation wraps
+    out = run("--first", "3")  # Ulm, Lyon, Ulm again: as mgrpo.py's evaluation wraps
+    assert "every hop's: 2 of 3" in out and "by their number in the evaluation: 2\n" in out
     assert "every hop's: 0 of 1" in run("--split", "train")  # no Austria passage
     with open(tmp_path / "plain.jsonl", "w") as f:
         f.write(json.dumps({"question": "Where is Ulm?", "answers": ["Germany"], "split": "test"}) + "\n"

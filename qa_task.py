@@ -152,6 +152,12 @@ def normalize(s):
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", s.lower().translate(_PUNCT)).split())
 
 
+def holds_words(answer, texts):
+    """Whether an answer, normalized, is whole words of any of the texts, normalized; an empty one never is."""
+    a = normalize(answer or "")
+    return bool(a) and any(f" {a} " in f" {normalize(t)} " for t in texts)
+
+
 def word_f1(answer, gold):
     """SQuAD's F1 of two answers' normalized words (two empty answers: 1)."""
     a, g = normalize(answer).split(), normalize(gold).split()
@@ -209,8 +215,7 @@ class QaTask:
         a, words = normalize(result or ""), normalize(subtask or "").split()
         offered = {w for i, w in enumerate(words) if "or" in words[max(0, i - 1):i] + words[i + 1:i + 2]} - {"or"}
         asked = (set(words) - offered) | STOP_WORDS
-        return float(any(w not in asked for w in a.split())
-                     and any(f" {a} " in f" {normalize(passage_text(r))} " for r in reads))
+        return float(any(w not in asked for w in a.split()) and holds_words(a, (passage_text(r) for r in reads)))
 
     def search_tool(self):
         raise SearchError("a qa task has no search tool of its own: give --search bm25:CORPUS.jsonl, or a "

@@ -22,13 +22,13 @@ import transformers
 import mgrpo
 import run
 from agents import load_agent
-from qa_task import QaTask, normalize
+from qa_task import QaTask, holds_words
+from tools import EVAL_SEED
 
 
 def returned(answer, subs):
     """Whether any of S's results holds the hop's answer as whole words."""
-    a = normalize(answer)
-    return bool(a) and any(f" {a} " in f" {normalize(s.result or '')} " for s in subs)
+    return holds_words(answer, (s.result or "" for s in subs))
 
 
 def first_cause(task, q, traj, subs):
@@ -53,14 +53,15 @@ def probe(agent, args, task, delegate, search, greedy):
         for t, q in zip(trajs, batch):
             cause = first_cause(task, q, t, subs)
             causes[cause] += 1
-            which[cause].append(q.seed - mgrpo.EVAL_SEED + 1)  # the evaluation's question number (recall.py's too)
+            which[cause].append(q.seed - EVAL_SEED + 1)  # the evaluation's question number (recall.py's too)
             calls[min(len(t.calls), 3)] += 1
             mine = [subs[i] for i in t.calls]
             facts.update(h for h, (_, a) in enumerate(q.hops, 1) if returned(a, mine))
     return causes, calls, facts, which
 
 
-def report(name, n, causes, calls, facts, which):
+def report(name, causes, calls, facts, which):
+    n = sum(causes.values())
     share = lambda c: f"{c / n:.3f}"  # noqa: E731
     print(f"{name}: success {share(causes['right'])} of {n}; M's delegations per rollout: "
           + ", ".join(f"{k if k < 3 else '3+'}: {share(calls[k])}" for k in sorted(calls))
@@ -84,8 +85,7 @@ def main(argv=None):
     sub = load_agent(args.sub_model, args, task, seed=args.seed + 1)
     delegate = functools.partial(mgrpo.run_sub_agents, sub, args, search)
     for greedy in (False, True):
-        found = probe(agent, args, task, delegate, search, greedy)
-        report("greedy" if greedy else "sampled", sum(found[0].values()), *found)
+        report("greedy" if greedy else "sampled", *probe(agent, args, task, delegate, search, greedy))
 
 
 if __name__ == "__main__":

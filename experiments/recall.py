@@ -14,14 +14,9 @@ evaluation's); and the sub-questions missed most often, as they were asked.
 import argparse
 import collections
 
-from qa_task import filled, normalize, read_questions
+from qa_task import QaTask, filled, holds_words
 from retriever import MAX_TOPK, TOPK, Bm25Search, passage_result
-
-
-def holds(answer, results):
-    """Whether a result's title or text holds the answer as whole words (as experiments/hops.py counts it)."""
-    a = normalize(answer)
-    return bool(a) and any(f" {a} " in f" {normalize(r['title'] + ' ' + r['content'])} " for r in results)
+from tools import EVAL_SEED
 
 
 def count(low, high):
@@ -44,9 +39,9 @@ def main(argv=None):
                         "order, from its start again past its end (default: the whole split, once)")
     a = p.parse_args(argv)
     try:
-        train, test = read_questions(a.questions)
-        pool = test if a.split == "test" else train
-        questions = [(i + 1, pool[i % len(pool)]) for i in range(a.first or len(pool)) if pool[i % len(pool)][3]]
+        task = QaTask(a.questions)
+        first, pool = (EVAL_SEED, task.test) if a.split == "test" else (0, task.train)  # as make_question picks
+        questions = [q for q in (task.make_question(first + i, 1) for i in range(a.first or len(pool))) if q.hops]
         if not questions:
             raise ValueError(f"{a.questions}: no {a.split} question carries question_decomposition")
         search = Bm25Search(a.corpus)
@@ -54,12 +49,12 @@ def main(argv=None):
         raise SystemExit(str(e)) from None
     found, asked, whole, missed = collections.Counter(), collections.Counter(), 0, collections.Counter()
     short = []  # the numbers, from 1, of the questions with a hop not found
-    for number, (_, _, _, hops) in questions:
+    for q in questions:
         every = True
-        for k, (sub_q, answer) in enumerate(hops):
-            text = filled(sub_q, [ans for _, ans in hops[:k]])
+        for k, (sub_q, answer) in enumerate(q.hops):
+            text = filled(sub_q, [ans for _, ans in q.hops[:k]])
             results = [passage_result(search.ids[n], search.contents[n]) for n, _ in search.retrieve(text, a.k)]
-            ok = holds(answer, results)
+            ok = holds_words(answer, (r["title"] + " " + r["content"] for r in results))
             asked[k + 1] += 1
             found[k + 1] += ok
             every &= ok
@@ -67,7 +62,7 @@ def main(argv=None):
                 missed[text] += 1
         whole += every
         if not every:
-            short.append(number)
+            short.append(q.seed - first + 1)
     print(f"{len(questions)} {a.split} questions with hops; top {a.k} passages a search")
     for h in sorted(asked):
         print(f"  hop {h}: the results hold the answer for {found[h]} of {asked[h]} ({found[h] / asked[h]:.3f})")
